@@ -1,0 +1,35 @@
+"""spmd: JAX-style functional SPMD on PyTorch, for domain-parallel scientific ML.
+
+Importing spmd changes nothing global.
+"""
+from .collectives import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    broadcast,
+    pmax,
+    pmean,
+    pmin,
+    ppermute,
+    psum,
+    psum_scatter,
+)
+from .custom_vjp import custom_vjp
+from .errors import CommAborted, CommError, CommTimeout, SpecError
+from .launch import launch
+from .layout import Layout
+from .mesh import Mesh
+from .placeholder import Placeholder
+from .shard_map import shard_map
+from .spec import P
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh", "P", "Layout", "Placeholder",
+    "shard_map", "launch", "custom_vjp",
+    "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
+    "all_to_all", "broadcast", "axis_index", "axis_size",
+    "SpecError", "CommError", "CommTimeout", "CommAborted",
+]

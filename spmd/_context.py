@@ -1,0 +1,84 @@
+"""Which mesh and rank the calling code runs as.
+
+A thread-local stack: shard_map and spmd.launch push (mesh, rank) on each rank thread;
+``with mesh:`` pushes a torch mesh in a process. Backward rules capture the context at
+forward time, because autograd may run backward on another thread (e.g. CUDA's).
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, NamedTuple
+
+from .errors import SpecError
+
+if TYPE_CHECKING:
+    from .mesh import Mesh
+
+_local = threading.local()
+
+
+class RankContext(NamedTuple):
+    mesh: Mesh
+    rank: int
+
+    def __enter__(self) -> RankContext:
+        push(self.mesh, self.rank)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pop()
+
+
+def _stack() -> list:
+    s = getattr(_local, "stack", None)
+    if s is None:
+        s = _local.stack = []
+    return s
+
+
+def push(mesh: Mesh, rank: int | None) -> None:
+    _stack().append((mesh, rank))
+
+
+def pop() -> None:
+    _stack().pop()
+
+
+def _torch_rank() -> int:
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+def current(what: str = "this call") -> RankContext:
+    """The innermost (mesh, rank); raises a clear error outside any rank context."""
+    s = _stack()
+    if not s:
+        raise SpecError(
+            f"{what} needs a mesh: call it inside spmd.shard_map, inside a function run by "
+            f"spmd.launch, or in a torch process within `with mesh:`")
+    mesh, rank = s[-1]
+    if rank is None:
+        rank = _torch_rank() if mesh.backend == "torch" else _no_rank(mesh, what)
+    return RankContext(mesh, rank)
+
+
+def _no_rank(mesh: Mesh, what: str) -> int:
+    raise SpecError(
+        f"{what}: {mesh!r} is a threads mesh, and this code is not running on one of its "
+        f"rank threads; use spmd.shard_map(...) or spmd.launch(...) to run per-rank code")
+
+
+def current_rank(mesh: Mesh) -> int:
+    for m, r in reversed(_stack()):
+        if m is mesh and r is not None:
+            return r
+    if mesh.backend == "torch":
+        return _torch_rank()
+    return _no_rank(mesh, "mesh.rank")
+
+
+def in_rank_of(mesh: Mesh) -> bool:
+    """Whether the calling thread is a rank of ``mesh`` (per-rank code)."""
+    if mesh.backend == "torch":
+        return True
+    return any(m is mesh and r is not None for m, r in _stack())

@@ -1,0 +1,44 @@
+"""The comm protocol: the few collectives everything else is built from.
+
+Every method runs on one rank and takes that rank's ``Group`` (from ``mesh.group``).
+Uneven sizes are normal: ``all_gather`` takes chunks of different lengths along ``dim``,
+``reduce_scatter`` and ``all_to_all`` take one chunk per member, each of any shape.
+``name`` is the public op that asked (for timeout and mismatch messages).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..mesh import Group
+
+__all__ = ["Comm", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "max", "min")
+
+
+class Comm(Protocol):
+    def all_reduce(self, x: torch.Tensor, op: str, group: Group, *, name: str) -> torch.Tensor:
+        """Elementwise reduction of ``x`` over the group; same shape on every member."""
+
+    def all_gather(self, x: torch.Tensor, group: Group, dim: int, *, name: str,
+                   sizes: tuple[int, ...] | None = None) -> list[torch.Tensor]:
+        """Every member's ``x`` (sizes along ``dim`` may differ; ``sizes`` if known)."""
+
+    def reduce_scatter(self, chunks: list[torch.Tensor], op: str, group: Group, *,
+                       name: str) -> torch.Tensor:
+        """Member i gets the reduction over members of their ``chunks[i]``."""
+
+    def all_to_all(self, chunks: list[torch.Tensor], group: Group, *, name: str) -> list[torch.Tensor]:
+        """Member i gets ``[m.chunks[i] for m in members]``."""
+
+    def permute(self, x: torch.Tensor, group: Group, pairs: tuple[tuple[int, int], ...], *,
+                name: str) -> torch.Tensor | None:
+        """Send ``x`` along (src index, dst index) pairs; a non-destination gets None."""
+
+    def broadcast(self, x: torch.Tensor, src: int, group: Group, *, name: str) -> torch.Tensor:
+        """Member ``src``'s ``x`` on every member (same shape and dtype everywhere)."""
+
+    def barrier(self, group: Group, *, name: str = "barrier") -> None:
+        """Return once every member arrived."""

@@ -1,0 +1,196 @@
+"""The threads backend: every rank is a thread of this process.
+
+All collectives rest on one rendezvous, ``exchange``: each member deposits a payload
+for the k-th collective of its group and waits (with a timeout) until all have; then
+each computes its own result from all payloads. Since every rank sees every payload,
+mismatched ops, shapes and dtypes are caught exactly and reported on every rank, and a
+timeout names exactly the ranks that did not arrive. Results never alias another rank's
+tensors (a real transport copies too).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .._format import describe
+from ..errors import CommAborted, CommError, CommTimeout
+from ..mesh import Group, Mesh
+
+__all__ = ["ThreadComm"]
+
+
+class _Slot:
+    __slots__ = ("op", "data", "arrived", "reads", "error", "cond")
+
+    def __init__(self, n: int, op: str, lock: threading.Lock):
+        self.op = op
+        self.data: list[Any] = [None] * n
+        self.arrived = [False] * n
+        self.reads = 0
+        self.error: str | None = None
+        self.cond = threading.Condition(lock)
+
+
+class ThreadComm:
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self._lock = threading.Lock()
+        self._slots: dict[tuple, _Slot] = {}
+        self._seq: dict[tuple, int] = {}
+        self._aborted: BaseException | None = None
+
+    # -- the rendezvous -------------------------------------------------------------
+
+    def exchange(self, group: Group, op: str, payload: Any, *, name: str) -> list[Any]:
+        """Deposit ``payload``; return every member's payload, in group order."""
+        key = (group.axes, group.ranks)
+        sk = (key, group.rank)
+        seq = self._seq.get(sk, 0)
+        self._seq[sk] = seq + 1  # only this rank's thread touches its own counter
+        n = group.size
+        if n == 1:
+            return [payload]
+        with self._lock:
+            if self._aborted is not None:
+                raise CommAborted(f"{name} on rank {group.rank}: cancelled because another "
+                                  f"rank failed ({self._aborted!r})")
+            slot = self._slots.get((key, seq))
+            if slot is None:
+                slot = self._slots[(key, seq)] = _Slot(n, op, self._lock)
+            elif slot.op != op and slot.error is None:
+                first = next(group.ranks[i] for i, a in enumerate(slot.arrived) if a)
+                slot.error = (f"collective mismatch over {_axes(group)}: rank {group.rank} "
+                              f"called {op} while rank {first} called {slot.op} (call "
+                              f"#{seq} on this group); every rank must run the same "
+                              f"collectives in the same order")
+                slot.cond.notify_all()
+            slot.data[group.index] = payload
+            slot.arrived[group.index] = True
+            if all(slot.arrived):
+                slot.cond.notify_all()
+            else:
+                deadline = time.monotonic() + self.mesh.timeout
+                while not (all(slot.arrived) or slot.error or self._aborted):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    slot.cond.wait(left)
+            if slot.error:
+                raise CommError(f"{name}: {slot.error}")
+            if not all(slot.arrived):
+                if self._aborted is not None:
+                    raise CommAborted(f"{name} on rank {group.rank}: cancelled because "
+                                      f"another rank failed ({self._aborted!r})")
+                missing = tuple(r for r, a in zip(group.ranks, slot.arrived) if not a)
+                raise CommTimeout(
+                    f"{name} over {_axes(group)} timed out after {self.mesh.timeout:g} s on "
+                    f"rank {group.rank}: ranks {list(missing)} of the group "
+                    f"{list(group.ranks)} did not arrive",
+                    op=name, axes=group.axes, missing=missing)
+            data = slot.data
+            slot.reads += 1
+            if slot.reads == n:
+                del self._slots[(key, seq)]
+        return data
+
+    def abort(self, exc: BaseException) -> None:
+        """Wake every waiting rank with ``CommAborted`` (a rank failed)."""
+        with self._lock:
+            if self._aborted is None:
+                self._aborted = exc
+            for slot in self._slots.values():
+                slot.cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget all pending state; call only when no rank thread is running."""
+        with self._lock:
+            self._slots.clear()
+            self._seq.clear()
+            self._aborted = None
+
+    # -- the protocol -------------------------------------------------------------------
+
+    def all_reduce(self, x, op, group, *, name):
+        xs = self.exchange(group, "all_reduce", x, name=name)
+        _same_meta(xs, group, name)
+        return _reduce(xs, op, x.device)
+
+    def all_gather(self, x, group, dim, *, name, sizes=None):
+        xs = self.exchange(group, "all_gather", x, name=name)
+        _same_meta(xs, group, name, skip_dim=dim)
+        if sizes is not None:
+            got = tuple(t.shape[dim] for t in xs)
+            if got != tuple(sizes):
+                raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, "
+                                f"got {list(got)}")
+        return [_copy(t, x.device) for t in xs]
+
+    def reduce_scatter(self, chunks, op, group, *, name):
+        cs = self.exchange(group, "reduce_scatter", chunks, name=name)
+        _same_len(cs, group, name)
+        mine = [c[group.index] for c in cs]
+        _same_meta(mine, group, name)
+        return _reduce(mine, op, chunks[group.index].device)
+
+    def all_to_all(self, chunks, group, *, name):
+        cs = self.exchange(group, "all_to_all", chunks, name=name)
+        _same_len(cs, group, name)
+        dev = chunks[0].device
+        return [_copy(c[group.index], dev) for c in cs]
+
+    def permute(self, x, group, pairs, *, name):
+        xs = self.exchange(group, "permute", x, name=name)
+        _same_meta(xs, group, name)
+        src = [s for s, d in pairs if d == group.index]
+        return _copy(xs[src[0]], x.device) if src else None
+
+    def broadcast(self, x, src, group, *, name):
+        xs = self.exchange(group, "broadcast", x, name=name)
+        _same_meta(xs, group, name)
+        return _copy(xs[src], x.device)
+
+    def barrier(self, group, *, name="barrier"):
+        self.exchange(group, "barrier", None, name=name)
+
+
+def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.detach().to(device, copy=True)
+
+
+def _reduce(xs: list[torch.Tensor], op: str, device: torch.device) -> torch.Tensor:
+    # Rank order, so every rank computes bit-identical results.
+    fn: Callable = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
+    acc = xs[0].detach().to(device, copy=True)
+    for t in xs[1:]:
+        acc = fn(acc, t.detach().to(device))
+    return acc
+
+
+def _axes(group: Group) -> str:
+    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+
+
+def _same_meta(xs: list, group: Group, name: str, skip_dim: int | None = None) -> None:
+    t0 = xs[0]
+    for i, t in enumerate(xs[1:], 1):
+        if not isinstance(t, torch.Tensor) or not isinstance(t0, torch.Tensor):
+            raise CommError(f"{name}: rank {group.ranks[i]} passed {describe(t)}, rank "
+                            f"{group.ranks[0]} passed {describe(t0)}; expected tensors")
+        s0, s = list(t0.shape), list(t.shape)
+        if skip_dim is not None and len(s0) == len(s):
+            s0[skip_dim] = s[skip_dim] = -1
+        if s0 != s or t.dtype != t0.dtype:
+            raise CommError(
+                f"{name} over {_axes(group)}: rank {group.ranks[0]} passed {describe(t0)} but "
+                f"rank {group.ranks[i]} passed {describe(t)}; every rank must pass the same "
+                f"dtype and shape" + (f" (except along dim {skip_dim})" if skip_dim is not None else ""))
+
+
+def _same_len(cs: list, group: Group, name: str) -> None:
+    for i, c in enumerate(cs):
+        if len(c) != group.size:
+            raise CommError(f"{name}: rank {group.ranks[i]} passed {len(c)} chunks for a "
+                            f"group of {group.size}")

@@ -1,0 +1,118 @@
+"""``spmd.custom_vjp``: a function with a hand-written backward, as in JAX.
+
+Built on ``torch.autograd.Function`` with ``setup_context``, so ``loss.backward()``,
+``torch.autograd.grad`` and ``torch.func.grad`` all see the rule.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+__all__ = ["custom_vjp"]
+
+_stash = threading.local()
+
+
+class custom_vjp:
+    """Give ``fun`` a custom backward: ``fwd`` returns ``(out, residuals)``, ``bwd``
+    maps ``(*nondiff_args, residuals, cotangent)`` to one gradient per differentiable
+    argument (``None`` for non-tensors or no gradient).
+
+    ``out`` is a tensor or a tuple of tensors; ``residuals`` any pytree (its tensors
+    are saved with ``save_for_backward``). Arguments that are not tensors get no
+    gradient; list them in ``nondiff_argnums`` to have them passed to ``bwd`` first.
+
+    Example:
+        >>> @spmd.custom_vjp
+        ... def clip_grad(x):
+        ...     return x.clone()
+        >>> clip_grad.defvjp(lambda x: (x.clone(), None),
+        ...                  lambda res, g: (g.clamp(-1, 1),))
+        >>> x = torch.tensor([1.0], requires_grad=True)
+        >>> (clip_grad(x) * 5).sum().backward(); x.grad
+        tensor([1.])
+    """
+
+    def __init__(self, fun: Callable, nondiff_argnums: Sequence[int] = ()):
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.nondiff_argnums = tuple(nondiff_argnums)
+        self.fwd: Callable | None = None
+        self.bwd: Callable | None = None
+        self._fn: type[torch.autograd.Function] | None = None
+
+    def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        self.fwd, self.bwd = fwd, bwd
+        self._fn = _make_function(self.fun.__name__, fwd, bwd, self.nondiff_argnums)
+
+    def __call__(self, *args: Any) -> Any:
+        if self._fn is None:
+            raise TypeError(f"custom_vjp function {self.fun.__name__!r} has no rule yet; "
+                            f"call .defvjp(fwd, bwd) first")
+        if not _needs_grad(args):
+            return self.fun(*args)
+        try:
+            return self._fn.apply(*args)
+        finally:
+            _stash.res = None  # drop the residuals' reference once ctx holds them
+
+    def __get__(self, obj, objtype=None):  # so it can decorate methods too
+        return self if obj is None else functools.partial(self.__call__, obj)
+
+
+def _needs_grad(args: tuple) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        # torch.func.grad's wrapped inputs report requires_grad too.
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+    return False
+
+
+def _make_function(name: str, fwd: Callable, bwd: Callable,
+                   nondiff: tuple[int, ...]) -> type[torch.autograd.Function]:
+
+    def forward(*args):
+        out, res = fwd(*args)
+        # setup_context follows this forward before any other forward on this thread
+        # (torch.func calls it twice), so a per-thread "last residuals" is enough.
+        _stash.res = res
+        return out
+
+    def setup_context(ctx, inputs, output):
+        res = _stash.res
+        leaves, spec = optree.tree_flatten(res, none_is_leaf=True)
+        is_t = [isinstance(v, torch.Tensor) for v in leaves]
+        ctx.save_for_backward(*[v for v, t in zip(leaves, is_t) if t])
+        ctx.res_other = [None if t else v for v, t in zip(leaves, is_t)]
+        ctx.res_is_t, ctx.res_spec = is_t, spec
+        ctx.nondiff_vals = [inputs[i] for i in nondiff]
+        ctx.n_in = len(inputs)
+        ctx.tuple_out = isinstance(output, tuple)
+
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        leaves = [next(saved) if t else v for v, t in zip(ctx.res_other, ctx.res_is_t)]
+        res = optree.tree_unflatten(ctx.res_spec, leaves)
+        g = grads if ctx.tuple_out else grads[0]
+        out = bwd(*ctx.nondiff_vals, res, g)
+        if not isinstance(out, (tuple, list)):
+            raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got {type(out).__name__}")
+        n_diff = ctx.n_in - len(nondiff)
+        if len(out) != n_diff:
+            raise TypeError(f"custom_vjp {name!r}: bwd returned {len(out)} gradients for "
+                            f"{n_diff} differentiable arguments")
+        it = iter(out)
+        return tuple(None if i in nondiff else next(it) for i in range(ctx.n_in))
+
+    return type(f"custom_vjp_{name}", (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+    })

@@ -1,0 +1,36 @@
+"""Exceptions raised by spmd.
+
+Every error names what was expected, what was given, and how to fix it.
+"""
+from __future__ import annotations
+
+__all__ = ["SpecError", "CommTimeout", "CommError", "CommAborted"]
+
+
+class SpecError(ValueError):
+    """A spec, layout, axis name or shape does not fit the mesh or the tensor."""
+
+
+class CommError(RuntimeError):
+    """Ranks disagreed about a collective (different ops, shapes or dtypes)."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A blocking wait ran past its timeout.
+
+    Attributes:
+        op: the collective that timed out, e.g. ``"psum"``.
+        axes: the mesh axes it ran over.
+        missing: global ranks that did not arrive (empty when the backend cannot tell).
+    """
+
+    def __init__(self, message: str, *, op: str = "", axes: tuple[str, ...] = (),
+                 missing: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.op = op
+        self.axes = axes
+        self.missing = missing
+
+
+class CommAborted(CommError):
+    """Another rank failed, so this rank's pending collective was cancelled."""

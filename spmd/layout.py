@@ -1,0 +1,246 @@
+"""``Layout``: how a global tensor is cut into shards over a mesh. Pure arithmetic."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._format import shape_str
+from .errors import SpecError
+from .mesh import coords_of
+from .spec import P, as_spec, entry_axes
+
+__all__ = ["Layout", "balanced_sizes"]
+
+
+def balanced_sizes(n: int, parts: int) -> tuple[int, ...]:
+    """The ``numpy.array_split`` rule: the first ``n % parts`` shards get one more.
+
+    >>> balanced_sizes(10, 4)
+    (3, 3, 2, 2)
+    """
+    q, r = divmod(n, parts)
+    return tuple(q + 1 if i < r else q for i in range(parts))
+
+
+class Layout:
+    """Global shape + spec + the size of every shard along every split dim.
+
+    Args:
+        shape: the global shape.
+        spec: a ``P`` (or None for fully replicated).
+        mesh: a ``Mesh`` (only its axis names and sizes are used).
+        sizes: explicit shard sizes, as ``{dim: [s0, s1, ...]}`` or a sequence with one
+            entry per dim (None for dims left balanced). Zero sizes are allowed.
+            Default: balanced (``10`` over 4 shards -> ``[3, 3, 2, 2]``).
+
+    A dim split over a tuple of axes has one shard per point of their product, the
+    first axis major. Mesh axes absent from the spec replicate the tensor.
+
+    Example:
+        >>> mesh = Mesh((2, 2), ("dp", "sp"))
+        >>> lay = Layout((10, 6), P("sp"), mesh)
+        >>> lay.sizes[0], lay.local_shape(rank=1), lay.offsets(rank=1)
+        ((5, 5), (5, 6), (5, 0))
+
+    Raises:
+        SpecError: the spec names unknown axes or has more entries than dims, or the
+            sizes do not add up to the dim or have the wrong count.
+    """
+
+    __slots__ = ("shape", "spec", "axis_names", "mesh_shape", "sizes", "_starts")
+
+    def __init__(self, shape: Sequence[int], spec: Any, mesh: Any,
+                 sizes: Mapping[int, Sequence[int]] | Sequence[Sequence[int] | None] | None = None):
+        self.shape = tuple(int(s) for s in shape)
+        self.spec = as_spec(spec)
+        self.axis_names = tuple(mesh.axis_names)
+        self.mesh_shape = tuple(mesh.shape)
+        nd = len(self.shape)
+        if len(self.spec) > nd:
+            raise SpecError(
+                f"spec {self.spec!r} has {len(self.spec)} entries but the tensor "
+                f"{shape_str(self.shape)} has {nd} dims; a spec may leave out trailing "
+                f"dims but not add dims")
+        for a in self.spec.axes:
+            if a not in self.axis_names:
+                raise SpecError(
+                    f"spec {self.spec!r} names axis {a!r}, which the mesh "
+                    f"({_mesh_str(self)}) does not have")
+        given = _sizes_by_dim(sizes, nd)
+        out: list[tuple[int, ...] | None] = []
+        for d in range(nd):
+            axes = entry_axes(self.spec.entry(d))
+            s = given.get(d)
+            if not axes:
+                if s is not None and tuple(s) != (self.shape[d],):
+                    raise SpecError(
+                        f"sizes were given for dim {d}, which {self.spec!r} does not split")
+                out.append(None)
+                continue
+            n = self.axis_size(axes)
+            if s is None:
+                out.append(balanced_sizes(self.shape[d], n))
+                continue
+            s = tuple(s)
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in s):
+                raise SpecError(f"sizes for dim {d} must be non-negative ints, got {list(s)}")
+            if len(s) != n:
+                raise SpecError(
+                    f"sizes for dim {d} has {len(s)} entries but {_axes_str(axes)} has "
+                    f"{n} shards; give one size per shard")
+            if sum(s) != self.shape[d]:
+                raise SpecError(
+                    f"dim {d} has size {self.shape[d]} but the sizes {list(s)} over "
+                    f"{_axes_str(axes)} add up to {sum(s)}")
+            out.append(s)
+        self.sizes: tuple[tuple[int, ...] | None, ...] = tuple(out)
+        self._starts = tuple(None if s is None else _cumsum(s) for s in self.sizes)
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def axis_size(self, axes: Sequence[str]) -> int:
+        return math.prod(self.mesh_shape[self.axis_names.index(a)] for a in axes)
+
+    def dim_axes(self, dim: int) -> tuple[str, ...]:
+        """The mesh axes that split ``dim`` (empty if it is not split)."""
+        return entry_axes(self.spec.entry(dim))
+
+    @property
+    def split_dims(self) -> tuple[int, ...]:
+        return tuple(d for d, s in enumerate(self.sizes) if s is not None)
+
+    @property
+    def replicated_axes(self) -> tuple[str, ...]:
+        """Mesh axes the tensor is replicated over (absent from the spec)."""
+        used = set(self.spec.axes)
+        return tuple(a for a in self.axis_names if a not in used)
+
+    @property
+    def is_even(self) -> bool:
+        return all(s is None or len(set(s)) == 1 for s in self.sizes)
+
+    def shard_index(self, rank: int, dim: int) -> int:
+        """Which shard of ``dim`` ``rank`` holds (0 for unsplit dims)."""
+        c = coords_of(self.mesh_shape, rank)
+        idx = 0
+        for a in self.dim_axes(dim):
+            p = self.axis_names.index(a)
+            idx = idx * self.mesh_shape[p] + c[p]
+        return idx
+
+    def offsets(self, rank: int) -> tuple[int, ...]:
+        """Global index of the first element of ``rank``'s shard along every dim."""
+        return tuple(0 if st is None else st[self.shard_index(rank, d)]
+                     for d, st in enumerate(self._starts))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return tuple(n if s is None else s[self.shard_index(rank, d)]
+                     for d, (n, s) in enumerate(zip(self.shape, self.sizes)))
+
+    def slices(self, rank: int) -> tuple[slice, ...]:
+        """``rank``'s shard as slices of the global tensor."""
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets(rank), self.local_shape(rank)))
+
+    def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """Cut ``rank``'s shard out of the global tensor ``x`` (a view, no copy)."""
+        if tuple(x.shape) != self.shape:
+            raise SpecError(
+                f"the tensor is {shape_str(x.shape)} but the layout is for "
+                f"{shape_str(self.shape)}")
+        out = x
+        for d in self.split_dims:
+            o, n = self.offsets(rank)[d], self.local_shape(rank)[d]
+            out = out.narrow(d, o, n)
+        return out
+
+    def size_check(self, x_shape: Sequence[int], rank: int, what: str = "x") -> None:
+        """Raise a clear SpecError if ``x_shape`` is not ``rank``'s local shape."""
+        want = self.local_shape(rank)
+        if tuple(x_shape) == want:
+            return
+        if len(x_shape) != len(want):
+            raise SpecError(f"{what} is {shape_str(x_shape)} on rank {rank} but the layout "
+                            f"expects {len(want)} dims ({shape_str(want)})")
+        for d, (g, w) in enumerate(zip(x_shape, want)):
+            if g != w:
+                axes = self.dim_axes(d)
+                over = (f" over {_axes_str(axes)} (sizes {list(self.sizes[d])})"
+                        if axes else "")
+                raise SpecError(
+                    f"dim {d} of {what} has size {g} on rank {rank} but the layout expects "
+                    f"{w}{over}; pass sizes=... or reshard first")
+
+    # -- value semantics ----------------------------------------------------------------
+
+    def _key(self) -> tuple:
+        return (self.shape, tuple(self.spec), self.axis_names, self.mesh_shape, self.sizes)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self):
+        return (_rebuild, (self.shape, tuple(self.spec), self.axis_names, self.mesh_shape, self.sizes))
+
+    def __repr__(self) -> str:
+        split = ", ".join(
+            f"{_axes_str(self.dim_axes(d), quote=False)}={list(s)}"
+            for d, s in enumerate(self.sizes) if s is not None)
+        return f"Layout({shape_str(self.shape)}, {self.spec!r}" + (f", {split})" if split else ")")
+
+
+class _MeshShape:
+    def __init__(self, axis_names, shape):
+        self.axis_names, self.shape = axis_names, shape
+
+
+def _rebuild(shape, spec, axis_names, mesh_shape, sizes) -> Layout:
+    return Layout(shape, P(*spec), _MeshShape(axis_names, mesh_shape), sizes)
+
+
+def _sizes_by_dim(sizes: Any, nd: int) -> dict[int, Sequence[int]]:
+    if sizes is None:
+        return {}
+    if isinstance(sizes, Mapping):
+        items = dict(sizes)
+    elif isinstance(sizes, Sequence) and not isinstance(sizes, str):
+        if len(sizes) != nd:
+            raise SpecError(
+                f"sizes has {len(sizes)} entries for a {nd}-d tensor; give one entry per "
+                f"dim (None for balanced) or a dict {{dim: sizes}}")
+        items = {d: s for d, s in enumerate(sizes) if s is not None}
+    else:
+        raise SpecError(f"sizes must be a dict {{dim: [sizes]}} or a sequence, got {sizes!r}")
+    out = {}
+    for d, s in items.items():
+        if not isinstance(d, int) or not -nd <= d < nd:
+            raise SpecError(f"sizes names dim {d!r}, but the tensor has {nd} dims")
+        out[d % nd] = s
+    return out
+
+
+def _cumsum(s: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 0
+    for v in s:
+        out.append(acc)
+        acc += v
+    return tuple(out)
+
+
+def _axes_str(axes: Sequence[str], quote: bool = True) -> str:
+    if len(axes) == 1:
+        return f"axis {axes[0]!r}" if quote else axes[0]
+    return f"axes {tuple(axes)!r}" if quote else "(" + ", ".join(axes) + ")"
+
+
+def _mesh_str(lay: Layout) -> str:
+    return ", ".join(f"{n}={s}" for n, s in zip(lay.axis_names, lay.mesh_shape))

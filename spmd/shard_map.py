@@ -1,0 +1,509 @@
+"""``shard_map``: run a per-shard function on every rank, as one differentiable call.
+
+Two drivers share the spec handling:
+
+* Global view (a threads mesh called from ordinary code): arguments are global
+  tensors; each rank thread runs ``f`` on its shards; outputs are assembled into global
+  tensors. The whole call is ONE autograd node whose backward runs every rank's
+  backward on the rank threads, so collectives in backward meet as in forward.
+* Per-rank view (torch processes, or code already on a rank thread): every rank calls
+  it with the same global arguments; outputs are all-gathered so every rank returns
+  the global tensors; gradients of inputs and of closed-over parameters are summed
+  over the mesh in backward, so every rank ends with the single-device gradients.
+
+The boundary rules (DESIGN.md): an input replicated over axes A gets its gradient
+summed over A; an output replicated over A has its cotangent divided by |A|.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from . import _tree
+from ._context import RankContext, in_rank_of
+from ._format import describe, shape_str
+from .errors import SpecError
+from .launch import run_on_threads
+from .layout import Layout
+from .mesh import Mesh
+from .spec import P
+
+__all__ = ["shard_map"]
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
+              check_rep: bool = False,
+              params: Sequence[torch.Tensor] | None = None) -> Callable:
+    """Map ``f`` over the shards of its arguments on every rank of ``mesh``.
+
+    Args:
+        f: the per-shard function; it sees each rank's local shards and may call the
+            collectives (``psum``, ``all_gather``, ...). An ``nn.Module`` works too.
+        mesh: the mesh.
+        in_specs: a pytree prefix of the argument tuple with ``P`` (or ``Layout`` for
+            explicit uneven sizes, or None for replicated) leaves. Uneven shapes are
+            split by the balanced rule.
+        out_specs: a pytree prefix of ``f``'s output. A mesh axis missing from an
+            output's spec claims the output is the same on every rank of that axis.
+        check_rep: verify that claim and name the first rank and index that differ.
+        params: tensors closed over by ``f`` that need gradients. Default: the
+            parameters of ``f`` if it is an ``nn.Module``, else every leaf found in the
+            ranks' autograd graphs.
+
+    Returns:
+        A function of global arguments returning global outputs.
+
+    Backward:
+        ``loss.backward()`` in the caller gives the single-device gradients for the
+        arguments and for the parameters ``f`` closes over.
+
+    Example:
+        >>> mesh = spmd.Mesh((4,), ("sp",))
+        >>> f = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())
+        >>> f(torch.arange(10.0))
+        tensor(45.)
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"shard_map: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    if not callable(f):
+        raise TypeError(f"shard_map: f must be callable, got {describe(f)}")
+    _check_spec_tree(in_specs, mesh, "in_specs")
+    _check_spec_tree(out_specs, mesh, "out_specs")
+    if params is None and isinstance(f, torch.nn.Module):
+        params_fn = lambda: [p for p in f.parameters() if p.requires_grad]  # noqa: E731
+    elif params is not None:
+        params = list(params)
+        params_fn = lambda: params  # noqa: E731
+    else:
+        params_fn = None
+    sm = _ShardMap(f, mesh, in_specs, out_specs, check_rep, params_fn)
+
+    def mapped(*args: Any) -> Any:
+        return sm(args)
+
+    mapped.__wrapped__ = f  # type: ignore[attr-defined]
+    mapped.__doc__ = getattr(f, "__doc__", None)
+    return mapped
+
+
+def _check_spec_tree(specs: Any, mesh: Mesh, root: str) -> None:
+    paths, leaves, _ = optree.tree_flatten_with_path(specs, is_leaf=_tree._is_spec_leaf,
+                                                     none_is_leaf=True, namespace="spmd")
+    for p, s in zip(paths, leaves):
+        if isinstance(s, P):
+            for a in s.axes:
+                if a not in mesh.axis_names:
+                    raise SpecError(f"{_tree.keystr(root, p)} = {s!r} names axis {a!r}, which "
+                                    f"{mesh!r} does not have")
+        elif isinstance(s, Layout):
+            if s.axis_names != mesh.axis_names or s.mesh_shape != mesh.shape:
+                raise SpecError(f"{_tree.keystr(root, p)} is a Layout for another mesh "
+                                f"({s!r}) than {mesh!r}")
+        elif s is not None:
+            raise SpecError(f"{_tree.keystr(root, p)} is {s!r}; specs must be spmd.P, "
+                            f"spmd.Layout or None")
+
+
+class _ShardMap:
+    def __init__(self, f, mesh, in_specs, out_specs, check_rep, params_fn):
+        self.f, self.mesh = f, mesh
+        self.in_specs, self.out_specs = in_specs, out_specs
+        self.check_rep, self.params_fn = check_rep, params_fn
+        self._in_cache: dict = {}
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def _in_layouts(self, args: tuple) -> tuple[list, Any, list]:
+        leaves, treedef = _tree.flatten(args)
+        key = (treedef, tuple((tuple(x.shape) if isinstance(x, torch.Tensor) else None)
+                              for x in leaves))
+        hit = self._in_cache.get(key)
+        if hit is None:
+            specs = _tree.match_specs(self.in_specs, args, "in_specs", "args")
+            layouts = []
+            paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
+            for path, x, s in zip(paths, leaves, specs):
+                if isinstance(x, torch.Tensor):
+                    layouts.append(_layout_for(x, s, self.mesh, _tree.keystr("args", path)))
+                else:
+                    if s is not None and (not isinstance(s, P) or s.axes):
+                        raise SpecError(f"in_specs for {_tree.keystr('args', path)} is {s!r} but "
+                                        f"the argument is {describe(x)}, not a tensor; only "
+                                        f"tensors can be split (use P() or None)")
+                    layouts.append(None)
+            hit = self._in_cache[key] = layouts
+            if len(self._in_cache) > 64:
+                self._in_cache.pop(next(iter(self._in_cache)))
+        return leaves, treedef, hit
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, args: tuple) -> Any:
+        leaves, treedef, layouts = self._in_layouts(args)
+        grad_on = torch.is_grad_enabled()
+        diff = [i for i, x in enumerate(leaves)
+                if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
+        per_rank = in_rank_of(self.mesh)
+
+        def run_rank(rank: int):
+            local_in = []
+            loc = list(leaves)
+            for i, (x, lay) in enumerate(zip(leaves, layouts)):
+                if lay is not None:
+                    t = lay.shard(x.detach(), rank)
+                    if i in diff:
+                        t = t.requires_grad_()
+                        local_in.append(t)
+                    loc[i] = t
+            with torch.set_grad_enabled(grad_on):
+                out = self.f(*optree.tree_unflatten(treedef, loc))
+            return out, local_in
+
+        if per_rank:
+            rank = self.mesh.rank
+            results = {rank: run_rank(rank)}
+            ranks = [rank]
+        else:
+            if self.mesh.backend != "threads":
+                raise SpecError(f"shard_map on {self.mesh!r} must be called on every rank")
+            results = dict(enumerate(run_on_threads(self.mesh, run_rank)))
+            ranks = list(range(self.mesh.size))
+
+        outs = {r: _tree.flatten(results[r][0]) for r in ranks}
+        out_leaves0, out_def = outs[ranks[0]]
+        for r in ranks[1:]:
+            if outs[r][1] != out_def:
+                raise SpecError(f"shard_map: f returned {outs[r][1]} on rank {r} but "
+                                f"{out_def} on rank {ranks[0]}; every rank must return the "
+                                f"same structure")
+        out_specs = _tree.match_specs(self.out_specs, results[ranks[0]][0], "out_specs", "out")
+        out_paths = optree.tree_paths(results[ranks[0]][0], none_is_leaf=True, namespace="spmd")
+        state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
+                       [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
+        global_outs = state.assemble()
+        if grad_on and state.any_out_grad:
+            state.find_params()
+            if state.diff or state.params:
+                state.tensor_out_idx = [i for i, g in enumerate(global_outs)
+                                        if isinstance(g, torch.Tensor)]
+                state.global_outs = global_outs
+                res = _Node.apply(state, *[leaves[i] for i in diff], *state.params)
+                for i, t in zip(state.tensor_out_idx, res):
+                    global_outs[i] = t
+        return optree.tree_unflatten(out_def, global_outs)
+
+
+def _layout_for(x: torch.Tensor, s: Any, mesh: Mesh, where: str) -> Layout:
+    if isinstance(s, Layout):
+        if s.shape != tuple(x.shape):
+            raise SpecError(f"{where} is {describe(x)} but its Layout is for "
+                            f"{shape_str(s.shape)}")
+        return s
+    try:
+        return Layout(x.shape, s, mesh)
+    except SpecError as e:
+        raise SpecError(f"{where} ({describe(x)}): {e}") from None
+
+
+class _State:
+    """Everything one shard_map call needs for assembly and backward."""
+
+    def __init__(self, sm, ranks, global_leaves, in_layouts, diff, local_ins, local_outs,
+                 out_specs, out_paths, per_rank):
+        self.sm, self.mesh, self.ranks = sm, sm.mesh, ranks
+        self.global_leaves = global_leaves
+        self.in_layouts, self.diff = in_layouts, diff
+        self.local_ins, self.local_outs = local_ins, local_outs
+        self.out_specs, self.out_paths, self.per_rank = out_specs, out_paths, per_rank
+        self.out_layouts: list[Layout | None] = []
+        self.params: list[torch.Tensor] = []
+
+    @property
+    def any_out_grad(self) -> bool:
+        return any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for outs in self.local_outs for t in outs)
+
+    # -- forward assembly -----------------------------------------------------------------
+
+    def assemble(self) -> list:
+        mesh = self.mesh
+        out = []
+        for k, spec in enumerate(self.out_specs):
+            where = _tree.keystr("out", self.out_paths[k])
+            vals = [outs[k] for outs in self.local_outs]
+            if not isinstance(vals[0], torch.Tensor):
+                if self.per_rank or all(_same_py(v, vals[0]) for v in vals):
+                    out.append(vals[0])
+                    self.out_layouts.append(None)
+                    continue
+                bad = next(r for r, v in zip(self.ranks, vals) if not _same_py(v, vals[0]))
+                raise SpecError(f"shard_map: {where} is {vals[0]!r} on rank 0 but {vals[bad]!r} "
+                                f"on rank {bad}; non-tensor outputs must agree")
+            spec = P() if spec is None else spec
+            if isinstance(spec, Layout):
+                spec = spec.spec
+            if self.per_rank:
+                g, lay = _gather_global(vals[0], spec, mesh, self.ranks[0], where,
+                                        self.sm.check_rep)
+            else:
+                g, lay = _assemble_threads(vals, spec, mesh, where, self.sm.check_rep)
+            self.out_layouts.append(lay)
+            out.append(g)
+        return out
+
+    # -- parameters ------------------------------------------------------------------------
+
+    def find_params(self) -> None:
+        if self.sm.params_fn is not None:
+            self.params = [p for p in self.sm.params_fn() if p.requires_grad]
+        else:
+            mine = {id(t) for ins in self.local_ins for t in ins}
+            found: dict[int, torch.Tensor] = {}
+            for outs in self.local_outs:
+                _graph_leaves([t for t in outs if isinstance(t, torch.Tensor)], mine, found)
+            self.params = list(found.values())
+        self.shared = [False] * (len(self.diff) + len(self.params))
+        if self.per_rank and self.mesh.backend == "threads":
+            # Rank threads may pass the very same tensors (then their partial gradients
+            # add up by themselves) or each their own (then they must be summed).
+            group = self.mesh.group(self.mesh.axis_names, self.ranks[0])
+            ids = [id(self.global_leaves[i]) for i in self.diff] + [id(p) for p in self.params]
+            every = self.mesh.comm.exchange(group, "shard_map", ids, name="shard_map")
+            if any(len(e) != len(ids) for e in every):
+                raise SpecError("shard_map: ranks found different numbers of parameters in "
+                                "their graphs; pass params=... explicitly")
+            self.shared = [all(e[j] == ids[j] for e in every) for j in range(len(ids))]
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def backward(self, gouts: Sequence[torch.Tensor | None], tensor_out_idx: list[int]):
+        mesh = self.mesh
+        cot_by_out = dict(zip(tensor_out_idx, gouts))
+
+        def rank_grads(pos: int, rank: int):
+            outs, cots = [], []
+            for k, lay in enumerate(self.out_layouts):
+                g = cot_by_out.get(k)
+                t = self.local_outs[pos][k]
+                if g is None or lay is None or not t.requires_grad:
+                    continue
+                outs.append(t)
+                cots.append(lay.shard(g, rank) / _rep_factor(lay))
+            ins = list(self.local_ins[pos]) + self.params
+            if not outs or not ins:
+                return [None] * len(ins)
+            return list(torch.autograd.grad(outs, ins, cots, allow_unused=True,
+                                            retain_graph=True))
+
+        if self.per_rank:
+            with RankContext(mesh, self.ranks[0]):
+                per = [rank_grads(0, self.ranks[0])]
+        else:
+            per = run_on_threads(mesh, lambda r: rank_grads(r, r))
+
+        n_in = len(self.diff)
+        grads: list[torch.Tensor | None] = []
+        for j, i in enumerate(self.diff):
+            lay = self.in_layouts[i]
+            acc = None
+            for pos, rank in enumerate(self.ranks):
+                g = per[pos][j]
+                if g is None:
+                    continue
+                if acc is None:
+                    acc = torch.zeros(lay.shape, dtype=g.dtype, device=g.device)
+                acc[lay.slices(rank)] += g
+            grads.append(acc)
+        for j in range(len(self.params)):
+            acc = None
+            for pos in range(len(self.ranks)):
+                g = per[pos][n_in + j]
+                if g is not None:
+                    acc = g if acc is None else acc + g
+            grads.append(acc)
+        if self.per_rank:
+            grads = self._sum_over_mesh(grads)
+        return grads
+
+    def _sum_over_mesh(self, grads: list) -> list:
+        """Per-rank view: every rank holds a part of each gradient; sum them everywhere."""
+        mesh, rank = self.mesh, self.ranks[0]
+        group = mesh.group(mesh.axis_names, rank)
+        inputs = [self.global_leaves[i] for i in self.diff] + self.params
+        out = []
+        for g, x, shared in zip(grads, inputs, self.shared):
+            if shared:
+                out.append(g)
+                continue
+            if g is None:
+                g = torch.zeros_like(x)
+            out.append(mesh.comm.all_reduce(g, "sum", group, name="shard_map backward"))
+        return out
+
+
+def _same_py(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable values count as different
+        return a is b
+
+
+def _rep_factor(lay: Layout) -> int:
+    return math.prod(lay.mesh_shape[lay.axis_names.index(a)] for a in lay.replicated_axes)
+
+
+def _out_layout(shapes: dict[int, tuple], spec: P, mesh: Mesh, where: str) -> Layout:
+    """The global layout implied by each rank's local output shape."""
+    r0 = next(iter(shapes))
+    nd = len(shapes[r0])
+    if len(spec) > nd:
+        raise SpecError(f"out_specs for {where} is {spec!r} but the output is {nd}-d "
+                        f"({shape_str(shapes[r0])} on rank {r0})")
+    for r, s in shapes.items():
+        if len(s) != nd:
+            raise SpecError(f"shard_map: {where} is {shape_str(s)} on rank {r} but "
+                            f"{shape_str(shapes[r0])} on rank {r0}")
+    probe = Layout((0,) * nd, spec, mesh)
+    gshape, sizes = [], []
+    for d in range(nd):
+        axes = probe.dim_axes(d)
+        if not axes:
+            for r, s in shapes.items():
+                if s[d] != shapes[r0][d]:
+                    raise SpecError(
+                        f"shard_map: dim {d} of {where} has size {s[d]} on rank {r} but "
+                        f"{shapes[r0][d]} on rank {r0}; {spec!r} does not split dim {d}, so "
+                        f"every rank must agree (or split it in out_specs)")
+            gshape.append(shapes[r0][d])
+            sizes.append(None)
+            continue
+        n = probe.axis_size(axes)
+        per_idx: list[int | None] = [None] * n
+        for r, s in shapes.items():
+            i = probe.shard_index(r, d)
+            if per_idx[i] is None:
+                per_idx[i] = s[d]
+            elif per_idx[i] != s[d]:
+                raise SpecError(
+                    f"shard_map: dim {d} of {where} has size {s[d]} on rank {r} but "
+                    f"{per_idx[i]} on another rank holding the same shard over {axes}")
+        gshape.append(sum(per_idx))
+        sizes.append(tuple(per_idx))
+    return Layout(gshape, spec, mesh, sizes)
+
+
+def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
+                      check_rep: bool) -> tuple[torch.Tensor, Layout]:
+    lay = _out_layout({r: tuple(v.shape) for r, v in enumerate(vals)}, spec, mesh, where)
+    owners = _owners(lay, mesh)
+    if check_rep:
+        for r, v in enumerate(vals):
+            o = owners[_shard_key(lay, r)]
+            if r != o:
+                _compare_rep(vals[o], v, o, r, where, lay)
+    v0 = vals[0]
+    if len(owners) == 1:
+        return v0.detach().clone(), lay
+    g = torch.empty(lay.shape, dtype=v0.dtype, device=v0.device)
+    for r in owners.values():
+        g[lay.slices(r)] = vals[r].detach()
+    return g, lay
+
+
+def _shard_key(lay: Layout, rank: int) -> tuple[int, ...]:
+    return tuple(lay.shard_index(rank, d) for d in lay.split_dims)
+
+
+def _owners(lay: Layout, mesh: Mesh) -> dict[tuple, int]:
+    """For each shard, the lowest rank holding it."""
+    owners: dict[tuple, int] = {}
+    for r in range(mesh.size):
+        owners.setdefault(_shard_key(lay, r), r)
+    return owners
+
+
+def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
+                 lay: Layout) -> None:
+    if a.shape == b.shape and torch.equal(a, b):
+        return
+    diff = (a != b)
+    if a.is_floating_point():
+        diff &= ~(torch.isnan(a) & torch.isnan(b))
+    idx = tuple(int(i) for i in diff.nonzero()[0]) if diff.any() else ()
+    raise SpecError(
+        f"shard_map(check_rep=True): {where} is claimed replicated over "
+        f"{list(lay.replicated_axes)} by out_specs {lay.spec!r}, but rank {rb} differs from "
+        f"rank {ra} at local index {list(idx)}: {b[idx].item()!r} vs {a[idx].item()!r}; split "
+        f"the output over those axes in out_specs, or make it equal (e.g. psum)")
+
+
+def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
+                   check_rep: bool) -> tuple[torch.Tensor, Layout]:
+    """Per-rank view: all-gather this rank's shard into the global output."""
+    comm = mesh.comm
+    probe = Layout((0,) * v.ndim, spec, mesh) if len(spec) <= v.ndim else None
+    if probe is None:
+        raise SpecError(f"out_specs for {where} is {spec!r} but the output is "
+                        f"{describe(v)} on rank {rank}")
+    g = v.detach()
+    sizes: list[tuple[int, ...] | None] = []
+    for d in range(v.ndim):
+        axes = probe.dim_axes(d)
+        if not axes:
+            sizes.append(None)
+            continue
+        parts = comm.all_gather(g, mesh.group(axes, rank), d, name="shard_map output")
+        sizes.append(tuple(p.shape[d] for p in parts))
+        g = torch.cat(parts, d)
+    lay = Layout(g.shape, spec, mesh, sizes)
+    if check_rep and lay.replicated_axes:
+        group = mesh.group(lay.replicated_axes, rank)
+        parts = comm.all_gather(v.detach().unsqueeze(0), group, 0, name="check_rep")
+        for i, p in enumerate(parts):
+            _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay)
+    return g, lay
+
+
+def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int, torch.Tensor]) -> None:
+    """Leaves needing grad reached from ``roots``' graphs, excluding ``exclude`` ids."""
+    stack, seen = [], set()
+    for t in roots:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad and id(t) not in exclude:
+            found.setdefault(id(t), t)
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        v = getattr(fn, "variable", None)
+        if v is not None:
+            if id(v) not in exclude:
+                found.setdefault(id(v), v)
+            continue
+        for nxt, _ in fn.next_functions:
+            if nxt is not None:
+                stack.append(nxt)
+
+
+class _Node(torch.autograd.Function):
+    """The whole shard_map call as one node: backward runs all ranks' backwards."""
+
+    @staticmethod
+    def forward(ctx, state, *inputs):
+        ctx.state = state
+        outs = tuple(state.global_outs[i] for i in state.tensor_out_idx)
+        nondiff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *gouts):
+        grads = ctx.state.backward(gouts, ctx.state.tensor_out_idx)
+        return (None,) + tuple(grads)
