@@ -23,15 +23,17 @@ __all__ = ["ThreadComm"]
 
 
 class _Slot:
-    __slots__ = ("op", "data", "arrived", "reads", "error", "cond")
+    __slots__ = ("op", "data", "arrived", "reads", "error", "cond", "result", "done")
 
     def __init__(self, n: int, op: str, lock: threading.Lock):
         self.op = op
         self.data: list[Any] = [None] * n
         self.arrived = [False] * n
         self.reads = 0
-        self.error: str | None = None
+        self.error: BaseException | None = None
         self.cond = threading.Condition(lock)
+        self.result: Any = None
+        self.done = False
 
 
 class ThreadComm:
@@ -44,15 +46,21 @@ class ThreadComm:
 
     # -- the rendezvous -------------------------------------------------------------
 
-    def exchange(self, group: Group, op: str, payload: Any, *, name: str) -> list[Any]:
-        """Deposit ``payload``; return every member's payload, in group order."""
+    def exchange(self, group: Group, op: str, payload: Any, *, name: str,
+                 combine: Callable[[list[Any]], Any] | None = None) -> Any:
+        """Deposit ``payload``; return ``combine(payloads)`` (default: the list of every
+        member's payload, in group order).
+
+        ``combine`` runs once, on the last rank to arrive, outside the lock; what it
+        raises is raised on every member.
+        """
         key = (group.axes, group.ranks)
         sk = (key, group.rank)
         seq = self._seq.get(sk, 0)
         self._seq[sk] = seq + 1  # only this rank's thread touches its own counter
         n = group.size
         if n == 1:
-            return [payload]
+            return combine([payload]) if combine is not None else [payload]
         with self._lock:
             if self._aborted is not None:
                 raise CommAborted(f"{name} on rank {group.rank}: cancelled because another "
@@ -62,25 +70,38 @@ class ThreadComm:
                 slot = self._slots[(key, seq)] = _Slot(n, op, self._lock)
             elif slot.op != op and slot.error is None:
                 first = next(group.ranks[i] for i, a in enumerate(slot.arrived) if a)
-                slot.error = (f"collective mismatch over {_axes(group)}: rank {group.rank} "
-                              f"called {op} while rank {first} called {slot.op} (call "
-                              f"#{seq} on this group); every rank must run the same "
-                              f"collectives in the same order")
+                slot.error = CommError(
+                    f"{name}: collective mismatch over {_axes(group)}: rank {group.rank} "
+                    f"called {op} while rank {first} called {slot.op} (call #{seq} on this "
+                    f"group); every rank must run the same collectives in the same order")
                 slot.cond.notify_all()
             slot.data[group.index] = payload
             slot.arrived[group.index] = True
-            if all(slot.arrived):
+            last = all(slot.arrived) and slot.error is None
+        if last:
+            try:
+                result = combine(slot.data) if combine is not None else slot.data
+            except Exception as e:  # noqa: BLE001 - raised on every member below
+                slot.error = e
+                result = None
+            with self._lock:
+                slot.result, slot.done = result, True
                 slot.cond.notify_all()
-            else:
+        with self._lock:
+            if not slot.done and slot.error is None:
                 deadline = time.monotonic() + self.mesh.timeout
-                while not (all(slot.arrived) or slot.error or self._aborted):
+                while not (slot.done or slot.error or self._aborted):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     slot.cond.wait(left)
-            if slot.error:
-                raise CommError(f"{name}: {slot.error}")
-            if not all(slot.arrived):
+            slot.reads += 1
+            if slot.reads == n:
+                self._slots.pop((key, seq), None)
+            if slot.error is not None:
+                e = slot.error
+                raise type(e)(*e.args) if isinstance(e, CommError) else e
+            if not slot.done:
                 if self._aborted is not None:
                     raise CommAborted(f"{name} on rank {group.rank}: cancelled because "
                                       f"another rank failed ({self._aborted!r})")
@@ -90,11 +111,7 @@ class ThreadComm:
                     f"rank {group.rank}: ranks {list(missing)} of the group "
                     f"{list(group.ranks)} did not arrive",
                     op=name, axes=group.axes, missing=missing)
-            data = slot.data
-            slot.reads += 1
-            if slot.reads == n:
-                del self._slots[(key, seq)]
-        return data
+            return slot.result
 
     def abort(self, exc: BaseException) -> None:
         """Wake every waiting rank with ``CommAborted`` (a rank failed)."""
@@ -112,45 +129,57 @@ class ThreadComm:
             self._aborted = None
 
     # -- the protocol -------------------------------------------------------------------
+    # Validation and reductions run once per collective (in ``combine``); each rank
+    # then takes a private copy, so no result aliases another rank's tensors.
 
     def all_reduce(self, x, op, group, *, name):
-        xs = self.exchange(group, "all_reduce", x, name=name)
-        _same_meta(xs, group, name)
-        return _reduce(xs, op, x.device)
+        def combine(xs):
+            _same_meta(xs, group, name)
+            return _reduce(xs, op)
+        return _copy(self.exchange(group, "all_reduce", x, name=name, combine=combine), x.device)
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
-        xs = self.exchange(group, "all_gather", x, name=name)
-        _same_meta(xs, group, name, skip_dim=dim)
-        if sizes is not None:
-            got = tuple(t.shape[dim] for t in xs)
-            if got != tuple(sizes):
-                raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, "
-                                f"got {list(got)}")
-        return [_copy(t, x.device) for t in xs]
+        def combine(xs):
+            _same_meta(xs, group, name, skip_dim=dim)
+            if sizes is not None:
+                got = tuple(t.shape[dim] for t in xs)
+                if got != tuple(sizes):
+                    raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, "
+                                    f"got {list(got)}")
+            return xs
+        return [_copy(t, x.device) for t in
+                self.exchange(group, "all_gather", x, name=name, combine=combine)]
 
     def reduce_scatter(self, chunks, op, group, *, name):
-        cs = self.exchange(group, "reduce_scatter", chunks, name=name)
-        _same_len(cs, group, name)
-        mine = [c[group.index] for c in cs]
-        _same_meta(mine, group, name)
-        return _reduce(mine, op, chunks[group.index].device)
+        def combine(cs):
+            _same_len(cs, group, name)
+            for i in range(group.size):
+                _same_meta([c[i] for c in cs], group, name)
+            return cs
+        cs = self.exchange(group, "reduce_scatter", chunks, name=name, combine=combine)
+        return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
     def all_to_all(self, chunks, group, *, name):
-        cs = self.exchange(group, "all_to_all", chunks, name=name)
-        _same_len(cs, group, name)
-        dev = chunks[0].device
+        def combine(cs):
+            _same_len(cs, group, name)
+            return cs
+        cs = self.exchange(group, "all_to_all", chunks, name=name, combine=combine)
+        dev = chunks[group.index].device
         return [_copy(c[group.index], dev) for c in cs]
 
     def permute(self, x, group, pairs, *, name):
-        xs = self.exchange(group, "permute", x, name=name)
-        _same_meta(xs, group, name)
+        def combine(xs):
+            _same_meta(xs, group, name)
+            return xs
+        xs = self.exchange(group, "permute", x, name=name, combine=combine)
         src = [s for s, d in pairs if d == group.index]
         return _copy(xs[src[0]], x.device) if src else None
 
     def broadcast(self, x, src, group, *, name):
-        xs = self.exchange(group, "broadcast", x, name=name)
-        _same_meta(xs, group, name)
-        return _copy(xs[src], x.device)
+        def combine(xs):
+            _same_meta(xs, group, name)
+            return xs[src]
+        return _copy(self.exchange(group, "broadcast", x, name=name, combine=combine), x.device)
 
     def barrier(self, group, *, name="barrier"):
         self.exchange(group, "barrier", None, name=name)
@@ -160,12 +189,13 @@ def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().to(device, copy=True)
 
 
-def _reduce(xs: list[torch.Tensor], op: str, device: torch.device) -> torch.Tensor:
-    # Rank order, so every rank computes bit-identical results.
+def _reduce(xs: list[torch.Tensor], op: str) -> torch.Tensor:
+    # In rank order, once: every rank gets a bit-identical result.
     fn: Callable = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-    acc = xs[0].detach().to(device, copy=True)
+    dev = xs[0].device
+    acc = xs[0].detach()
     for t in xs[1:]:
-        acc = fn(acc, t.detach().to(device))
+        acc = fn(acc, t.detach().to(dev))
     return acc
 
 

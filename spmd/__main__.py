@@ -1,0 +1,14 @@
+"""``python -m spmd demo [--ranks N] [--size N] [--steps N]``."""
+import sys
+
+
+def _main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] != "demo":
+        print("usage: python -m spmd demo [--ranks N] [--size N] [--steps N]")
+        return 2
+    from ._demo import main
+    return main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
