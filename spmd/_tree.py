@@ -35,12 +35,19 @@ def match_specs(specs: Any, tree: Any, spec_root: str, tree_root: str) -> list:
         if not _is_spec_leaf(sv):
             raise SpecError(f"{keystr(spec_root, sp)} is {sv!r}; specs must be spmd.P, "
                             f"spmd.Layout or None")
+    # A spec must sit at a node or leaf of the tree: some tree path starts with it.
+    for sp in spaths:
+        if not any(tp[:len(sp)] == sp for tp in tpaths):
+            near = sorted({keystr(tree_root, tp[:len(sp)]) for tp in tpaths
+                           if len(tp) >= len(sp) and tp[:len(sp) - 1] == sp[:-1]})
+            raise SpecError(
+                f"{keystr(spec_root, sp)} matches nothing in {tree_root}: the specs must be a "
+                f"prefix of the {tree_root} tree"
+                + (f" (there, {tree_root} has {near})" if near else ""))
     out = []
-    used = set()
     for tp in tpaths:
         for k in range(len(tp), -1, -1):
             if tp[:k] in by_path:
-                used.add(tp[:k])
                 s = by_path[tp[:k]]
                 out.append(s if not (s is None or isinstance(s, P)) else as_spec(s))
                 break
@@ -49,10 +56,4 @@ def match_specs(specs: Any, tree: Any, spec_root: str, tree_root: str) -> list:
                 f"{spec_root} does not cover {keystr(tree_root, tp)}: the specs must be a "
                 f"prefix of the {tree_root} tree (spec paths: "
                 f"{[keystr(spec_root, p) for p in spaths][:6]})")
-    extra = [p for p in spaths if p not in used]
-    if extra:
-        raise SpecError(
-            f"{keystr(spec_root, extra[0])} matches nothing in {tree_root}: the specs must be "
-            f"a prefix of the {tree_root} tree ({tree_root} has "
-            f"{[keystr(tree_root, p) for p in tpaths][:6]})")
     return out

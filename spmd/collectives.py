@@ -8,6 +8,10 @@ device-varying, so each transpose is another public collective:
     all_to_all(split a, concat b) -> all_to_all(split b, concat a)
     broadcast(src) -> psum, kept on src          pmax/pmin -> psum, kept where the extremum is
 
+Under grad mode every collective is an autograd node on every rank, even where its
+input needs no gradient (see ``_context.anchor``): otherwise one rank would skip the
+collective's backward and the others would wait for it.
+
 Backward rules capture the (mesh, rank) of their forward and run the dual collective
 under it, because autograd may run backward on another thread.
 
@@ -22,10 +26,10 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ._context import RankContext, current
+from ._context import RankContext, anchor, current
 from ._format import describe
 from .custom_vjp import custom_vjp
-from .errors import SpecError
+from .errors import CommError, SpecError
 from .layout import balanced_sizes
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -49,9 +53,10 @@ def _dim(d: int, ndim: int, what: str, name: str) -> int:
 
 
 def _tree(fn, x, axis_name):
-    if isinstance(x, torch.Tensor):
-        return fn(x, axis_name)
-    return optree.tree_map(lambda t: fn(t, axis_name), x)
+    if optree.tree_is_leaf(x, namespace="spmd"):
+        raise TypeError(f"{fn.__name__}: expected a tensor, got {describe(x)} (a pytree of "
+                        f"tensors works too)")
+    return optree.tree_map(lambda t: fn(t, axis_name), x, namespace="spmd")
 
 
 # -- psum ----------------------------------------------------------------------------
@@ -70,7 +75,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(psum, x, axis_name)
     axes, rc = _setup(x, axis_name, "psum")
-    return _psum(x, axes, rc)
+    return _psum(anchor(x), axes, rc)
 
 
 @custom_vjp
@@ -95,7 +100,7 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(pmean, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmean")
-    return _psum(x, axes, rc) / rc.mesh.axis_size(axes)
+    return _psum(anchor(x), axes, rc) / rc.mesh.axis_size(axes)
 
 
 # -- pmax / pmin -------------------------------------------------------------------------
@@ -109,7 +114,7 @@ def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(pmax, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmax")
-    return _pext(x, "max", axes, rc)
+    return _pext(anchor(x), "max", axes, rc)
 
 
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -117,7 +122,7 @@ def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(pmin, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmin")
-    return _pext(x, "min", axes, rc)
+    return _pext(anchor(x), "min", axes, rc)
 
 
 @custom_vjp
@@ -167,7 +172,7 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
         if not tiled or len(sizes) != rc.mesh.axis_size(axes):
             raise SpecError(f"all_gather: sizes={list(sizes)} needs tiled=True and one size "
                             f"per rank of {axes} ({rc.mesh.axis_size(axes)})")
-    return _all_gather(x, axes, rc, axis, tiled, sizes)
+    return _all_gather(anchor(x), axes, rc, axis, tiled, sizes)
 
 
 @custom_vjp
@@ -212,6 +217,8 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
     d = _dim(scatter_dimension, x.ndim, "psum_scatter", "scatter_dimension")
     n = rc.mesh.axis_size(axes)
     if not tiled:
+        if sizes is not None:
+            raise SpecError("psum_scatter: sizes needs tiled=True")
         if x.shape[d] != n:
             raise SpecError(
                 f"psum_scatter: dim {d} of x ({describe(x)}) has size {x.shape[d]} but "
@@ -226,7 +233,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
             raise SpecError(
                 f"psum_scatter: sizes={list(sizes)} must be {n} non-negative sizes adding up "
                 f"to dim {d} of x ({describe(x)})")
-    return _psum_scatter(x, axes, rc, d, sizes)
+    return _psum_scatter(anchor(x), axes, rc, d, sizes)
 
 
 @custom_vjp
@@ -278,7 +285,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
         if len(set(vals)) != len(vals):
             raise SpecError(f"ppermute: perm {list(pairs)} repeats {name}; a permutation sends "
                             f"from and to each index at most once")
-    return _ppermute(x, axes, rc, pairs)
+    return _ppermute(anchor(x), axes, rc, pairs)
 
 
 @custom_vjp
@@ -328,7 +335,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
         if len(split_sizes) != n or sum(split_sizes) != x.shape[sa] or min(split_sizes) < 0:
             raise SpecError(f"all_to_all: split_sizes={list(split_sizes)} must be {n} "
                             f"non-negative sizes adding up to dim {sa} of x ({describe(x)})")
-        return _all_to_all(x, axes, rc, sa, ca, split_sizes)
+        return _all_to_all(anchor(x), axes, rc, sa, ca, split_sizes)
     if split_sizes is not None:
         raise SpecError("all_to_all: split_sizes needs tiled=True")
     ca = _dim(concat_axis, x.ndim, "all_to_all", "concat_axis")
@@ -344,7 +351,7 @@ def all_to_all(x: torch.Tensor, axis_name: AxisName, split_axis: int, concat_axi
     elif ca < sa:
         x = x.unsqueeze(ca)
         sa += 1
-    y = _all_to_all(x, axes, rc, sa, ca, (1,) * n)
+    y = _all_to_all(anchor(x), axes, rc, sa, ca, (1,) * n)
     return y if sa == ca else y.squeeze(sa)
 
 
@@ -357,7 +364,21 @@ def _all_to_all_fwd(x, axes, rc, sa, ca, sizes):
     parts = rc.mesh.comm.all_to_all(list(x.split(sizes, sa)), rc.mesh.group(axes, rc.rank),
                                     name="all_to_all")
     got = tuple(p.shape[ca] for p in parts)
+    _check_concat(parts, ca, rc, axes)
     return torch.cat(parts, ca), (axes, rc, sa, ca, got)
+
+
+def _check_concat(parts: list[torch.Tensor], ca: int, rc: RankContext, axes) -> None:
+    ref = list(parts[0].shape)
+    ref[ca] = -1
+    for j, p in enumerate(parts):
+        s = list(p.shape)
+        s[ca] = -1
+        if s != ref or p.dtype != parts[0].dtype:
+            raise CommError(
+                f"all_to_all over {_ax(axes)}: rank {rc.rank} received {describe(p)} from index "
+                f"{j} and {describe(parts[0])} from index 0; blocks must agree in dtype and "
+                f"in every dim but concat_axis {ca}")
 
 
 def _all_to_all_bwd(res, g):
@@ -383,7 +404,7 @@ def broadcast(x: torch.Tensor, axis_name: AxisName, src: int = 0) -> torch.Tenso
     if not isinstance(src, int) or not 0 <= src < n:
         raise SpecError(f"broadcast: src={src!r} is outside {_ax(axes)}, whose indices are "
                         f"0..{n - 1}")
-    return _broadcast(x, axes, rc, src)
+    return _broadcast(anchor(x), axes, rc, src)
 
 
 @custom_vjp

@@ -82,12 +82,25 @@ def _make_function(name: str, fwd: Callable, bwd: Callable,
         out, res = fwd(*args)
         # setup_context follows this forward before any other forward on this thread
         # (torch.func calls it twice), so a per-thread "last residuals" is enough.
-        _stash.res = res
+        # Residuals that ARE an input or output are saved as setup_context's own
+        # tensors of that level, so torch.func can differentiate the rule again.
+        outs = out if isinstance(out, tuple) else (out,)
+        leaves, spec = optree.tree_flatten(res, none_is_leaf=True)
+        where = []
+        for v in leaves:
+            w = None
+            if isinstance(v, torch.Tensor):
+                w = next((("in", i) for i, a in enumerate(args) if a is v), None) or \
+                    next((("out", j) for j, o in enumerate(outs) if o is v), None)
+            where.append(w)
+        _stash.res = (leaves, spec, where)
         return out
 
     def setup_context(ctx, inputs, output):
-        res = _stash.res
-        leaves, spec = optree.tree_flatten(res, none_is_leaf=True)
+        leaves, spec, where = _stash.res
+        outs = output if isinstance(output, tuple) else (output,)
+        leaves = [v if w is None else (inputs[w[1]] if w[0] == "in" else outs[w[1]])
+                  for v, w in zip(leaves, where)]
         is_t = [isinstance(v, torch.Tensor) for v in leaves]
         ctx.save_for_backward(*[v for v, t in zip(leaves, is_t) if t])
         ctx.res_other = [None if t else v for v, t in zip(leaves, is_t)]

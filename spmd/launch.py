@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,20 +44,43 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
     """
     if backend == "threads":
         mesh = Mesh(mesh_shape, axis_names, backend="threads", timeout=timeout)
-        return run_on_threads(mesh, lambda rank: fn(mesh, *args), timeout=timeout)
+        # Threads of their own that end with the run: launch leaves nothing behind.
+        return run_on_threads(mesh, lambda rank: fn(mesh, *args), timeout=timeout,
+                              own_threads=True)
     if backend == "gloo":
         from ._procs import launch_processes
         return launch_processes(fn, mesh_shape, axis_names, args=args, timeout=timeout)
     raise SpecError(f"launch: backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | None = None) -> list[Any]:
+def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | None = None,
+                   own_threads: bool = False) -> list[Any]:
     """Run ``fn(rank)`` on a thread per rank of a threads mesh, with the rank context set.
 
     The first failure aborts the mesh's pending collectives so no rank waits forever,
-    and is re-raised here tagged with its rank.
+    and is re-raised here tagged with its rank. Threads come from a shared pool of idle
+    workers (no thread start per call), or are started for this run and end with it
+    (``own_threads``).
     """
-    return _pool(mesh).run(fn, mesh.timeout if timeout is None else timeout)
+    timeout = mesh.timeout if timeout is None else timeout
+    batch = _Batch(mesh, fn)
+    workers = ([_Worker(persistent=False) for _ in range(mesh.size)] if own_threads
+               else _take_workers(mesh.size))
+    for rank, w in enumerate(workers):
+        w.start_task(batch, rank)
+    deadline = time.monotonic() + timeout + 5.0
+    for done in range(mesh.size):
+        if not batch.done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            mesh.comm.abort(CommTimeout("per-rank program timed out"))
+            raise CommTimeout(f"per-rank program on {mesh!r} did not finish in {timeout:g} s "
+                              f"({mesh.size - done} ranks still running)", op="launch")
+    if batch.errors:
+        mesh.comm.reset()
+        # A rank cancelled because another failed is a symptom; report the cause.
+        errs = sorted(batch.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+        _, rank, exc = errs[0]
+        raise tag_rank(exc, rank)
+    return batch.results
 
 
 def tag_rank(exc: BaseException, rank: int) -> BaseException:
@@ -70,71 +94,60 @@ def tag_rank(exc: BaseException, rank: int) -> BaseException:
     return exc
 
 
-class _RankPool:
-    """Persistent worker threads, one per rank, so a shard_map call costs no thread start."""
+class _Batch:
+    """One per-rank program run: the task, and where results and failures go."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
-        self.n = mesh.size
-        self._task: Callable[[int], Any] | None = None
-        self._go = [threading.Semaphore(0) for _ in range(self.n)]
-        self._done = threading.Semaphore(0)
-        self._results: list[Any] = [None] * self.n
-        self._errors: list[tuple[float, int, BaseException]] = []
-        self._elock = threading.Lock()
-        self._busy = threading.Lock()
-        self._threads = [threading.Thread(target=self._worker, args=(r,), daemon=True,
-                                          name=f"spmd-rank-{r}") for r in range(self.n)]
-        for t in self._threads:
-            t.start()
+    def __init__(self, mesh: Mesh, fn: Callable[[int], Any]):
+        self.mesh, self.fn = mesh, fn
+        self.results: list[Any] = [None] * mesh.size
+        self.errors: list[tuple[float, int, BaseException]] = []
+        self.done = threading.Semaphore(0)
 
-    def _worker(self, rank: int) -> None:
-        import time
-        ctx = RankContext(self.mesh, rank)
+
+class _Worker:
+    """A persistent thread that runs one rank of one batch at a time.
+
+    Workers are shared by every threads mesh, so a shard_map call starts no thread
+    and meshes that are dropped leave no threads behind.
+    """
+
+    def __init__(self, persistent: bool = True):
+        self._go = threading.Semaphore(0)
+        self._job: tuple[_Batch, int] | None = None
+        self._persistent = persistent
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="spmd-rank")
+        self.thread.start()
+
+    def start_task(self, batch: _Batch, rank: int) -> None:
+        self._job = (batch, rank)
+        self._go.release()
+
+    def _loop(self) -> None:
         while True:
-            self._go[rank].acquire()
-            task = self._task
+            self._go.acquire()
+            batch, rank = self._job
+            self._job = None
             try:
-                with ctx:
-                    self._results[rank] = task(rank)
+                with RankContext(batch.mesh, rank):
+                    batch.results[rank] = batch.fn(rank)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                with self._elock:
-                    self._errors.append((time.monotonic(), rank, e))
-                self.mesh.comm.abort(e)
-            finally:
-                self._done.release()
-
-    def run(self, fn: Callable[[int], Any], timeout: float) -> list[Any]:
-        if not self._busy.acquire(blocking=False):
-            raise SpecError(f"{self.mesh!r} is already running a per-rank program; nested "
-                            f"calls from outside its rank threads are not supported")
-        try:
-            self._task, self._results, self._errors = fn, [None] * self.n, []
-            for s in self._go:
-                s.release()
-            import time
-            deadline = time.monotonic() + timeout + 5.0
-            for _ in range(self.n):
-                if not self._done.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    raise CommTimeout(f"per-rank program on {self.mesh!r} did not finish in "
-                                      f"{timeout:g} s", op="launch")
-            if self._errors:
-                self.mesh.comm.reset()
-                # A rank cancelled because another failed is a symptom; report the cause.
-                errs = sorted(self._errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
-                _, rank, exc = errs[0]
-                raise tag_rank(exc, rank)
-            return self._results
-        finally:
-            self._task = None
-            self._busy.release()
+                batch.errors.append((time.monotonic(), rank, e))
+                batch.mesh.comm.abort(e)
+            if not self._persistent:
+                batch.done.release()
+                return
+            # Back to the idle list before signalling, so the caller's next run reuses us.
+            with _idle_lock:
+                _idle.append(self)
+            batch.done.release()
+            del batch
 
 
-def _pool(mesh: Mesh) -> _RankPool:
-    pool = mesh.__dict__.get("_rank_pool")
-    if pool is None:
-        with mesh._lock:
-            pool = mesh.__dict__.get("_rank_pool")
-            if pool is None:
-                pool = mesh.__dict__["_rank_pool"] = _RankPool(mesh)
-    return pool
+_idle: list[_Worker] = []
+_idle_lock = threading.Lock()
+
+
+def _take_workers(n: int) -> list[_Worker]:
+    with _idle_lock:
+        got = [_idle.pop() for _ in range(min(n, len(_idle)))]
+    return got + [_Worker() for _ in range(n - len(got))]

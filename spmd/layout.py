@@ -55,6 +55,8 @@ class Layout:
     def __init__(self, shape: Sequence[int], spec: Any, mesh: Any,
                  sizes: Mapping[int, Sequence[int]] | Sequence[Sequence[int] | None] | None = None):
         self.shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in self.shape):
+            raise SpecError(f"a global shape must be non-negative, got {list(self.shape)}")
         self.spec = as_spec(spec)
         self.axis_names = tuple(mesh.axis_names)
         self.mesh_shape = tuple(mesh.shape)
@@ -84,6 +86,10 @@ class Layout:
             if s is None:
                 out.append(balanced_sizes(self.shape[d], n))
                 continue
+            if isinstance(s, (str, bytes)) or not isinstance(s, Sequence):
+                raise SpecError(
+                    f"sizes for dim {d} must be a sequence of ints, got {s!r}; for one dim "
+                    f"pass sizes={{{d}: [...]}}")
             s = tuple(s)
             if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in s):
                 raise SpecError(f"sizes for dim {d} must be non-negative ints, got {list(s)}")
@@ -128,6 +134,9 @@ class Layout:
 
     def shard_index(self, rank: int, dim: int) -> int:
         """Which shard of ``dim`` ``rank`` holds (0 for unsplit dims)."""
+        if not 0 <= rank < math.prod(self.mesh_shape):
+            raise SpecError(f"rank {rank} is outside the layout's mesh (ranks "
+                            f"0..{math.prod(self.mesh_shape) - 1})")
         c = coords_of(self.mesh_shape, rank)
         idx = 0
         for a in self.dim_axes(dim):
@@ -180,7 +189,9 @@ class Layout:
     # -- value semantics ----------------------------------------------------------------
 
     def _key(self) -> tuple:
-        return (self.shape, tuple(self.spec), self.axis_names, self.mesh_shape, self.sizes)
+        # How the tensor is cut, not how the spec is spelled: P('sp') == P(('sp',), None).
+        return (self.shape, tuple(self.dim_axes(d) for d in range(self.ndim)),
+                self.axis_names, self.mesh_shape, self.sizes)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Layout) and self._key() == other._key()

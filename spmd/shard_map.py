@@ -24,7 +24,7 @@ import optree
 import torch
 
 from . import _tree
-from ._context import RankContext, in_rank_of
+from ._context import RankContext, collect_anchors, in_rank_of
 from ._format import describe, shape_str
 from .errors import SpecError
 from .launch import run_on_threads
@@ -159,9 +159,9 @@ class _ShardMap:
                         t = t.requires_grad_()
                         local_in.append(t)
                     loc[i] = t
-            with torch.set_grad_enabled(grad_on):
+            with torch.set_grad_enabled(grad_on), collect_anchors() as anchors:
                 out = self.f(*optree.tree_unflatten(treedef, loc))
-            return out, local_in
+            return out, local_in, anchors
 
         if per_rank:
             rank = self.mesh.rank
@@ -184,6 +184,7 @@ class _ShardMap:
         out_paths = optree.tree_paths(results[ranks[0]][0], none_is_leaf=True, namespace="spmd")
         state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
                        [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
+        state.anchors = [results[r][2] for r in ranks]
         global_outs = state.assemble()
         if grad_on and state.any_out_grad:
             state.find_params()
@@ -294,10 +295,12 @@ class _State:
                 outs.append(t)
                 cots.append(lay.shard(g, rank) / _rep_factor(lay))
             ins = list(self.local_ins[pos]) + self.params
-            if not outs or not ins:
+            if not outs:
                 return [None] * len(ins)
-            return list(torch.autograd.grad(outs, ins, cots, allow_unused=True,
-                                            retain_graph=True))
+            # The anchors make autograd run every collective's backward on this rank.
+            got = torch.autograd.grad(outs, ins + self.anchors[pos], cots, allow_unused=True,
+                                      retain_graph=True)
+            return list(got[:len(ins)])
 
         if self.per_rank:
             with RankContext(mesh, self.ranks[0]):

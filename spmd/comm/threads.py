@@ -136,7 +136,7 @@ class ThreadComm:
         def combine(xs):
             _same_meta(xs, group, name)
             return _reduce(xs, op)
-        return _copy(self.exchange(group, "all_reduce", x, name=name, combine=combine), x.device)
+        return _copy(self.exchange(group, f"all_reduce({op})", x, name=name, combine=combine), x.device)
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
         def combine(xs):
@@ -148,7 +148,7 @@ class ThreadComm:
                                     f"got {list(got)}")
             return xs
         return [_copy(t, x.device) for t in
-                self.exchange(group, "all_gather", x, name=name, combine=combine)]
+                self.exchange(group, f"all_gather(dim={dim}, sizes={sizes})", x, name=name, combine=combine)]
 
     def reduce_scatter(self, chunks, op, group, *, name):
         def combine(cs):
@@ -156,12 +156,16 @@ class ThreadComm:
             for i in range(group.size):
                 _same_meta([c[i] for c in cs], group, name)
             return cs
-        cs = self.exchange(group, "reduce_scatter", chunks, name=name, combine=combine)
+        cs = self.exchange(group, f"reduce_scatter({op})", chunks, name=name, combine=combine)
         return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
     def all_to_all(self, chunks, group, *, name):
         def combine(cs):
             _same_len(cs, group, name)
+            dts = {c.dtype for chunk_list in cs for c in chunk_list}
+            if len(dts) > 1:
+                raise CommError(f"{name} over {_axes(group)}: ranks passed blocks of dtypes "
+                                f"{sorted(map(str, dts))}; every rank must pass one dtype")
             return cs
         cs = self.exchange(group, "all_to_all", chunks, name=name, combine=combine)
         dev = chunks[group.index].device
@@ -171,7 +175,7 @@ class ThreadComm:
         def combine(xs):
             _same_meta(xs, group, name)
             return xs
-        xs = self.exchange(group, "permute", x, name=name, combine=combine)
+        xs = self.exchange(group, f"permute({sorted(pairs)})", x, name=name, combine=combine)
         src = [s for s, d in pairs if d == group.index]
         return _copy(xs[src[0]], x.device) if src else None
 
@@ -179,7 +183,8 @@ class ThreadComm:
         def combine(xs):
             _same_meta(xs, group, name)
             return xs[src]
-        return _copy(self.exchange(group, "broadcast", x, name=name, combine=combine), x.device)
+        return _copy(self.exchange(group, f"broadcast(src={src})", x, name=name, combine=combine),
+                     x.device)
 
     def barrier(self, group, *, name="barrier"):
         self.exchange(group, "barrier", None, name=name)

@@ -1,0 +1,597 @@
+"""The torch.distributed backend: every rank is a process (gloo on CPU, NCCL on CUDA).
+
+Same semantics as ``spmd/comm/threads.py``, on process groups:
+
+- One process group per group of ranks, built on ``init_device_mesh`` for single axes
+  (``dist.new_group`` for tuples of axes, all groups of the partition created at first
+  use, in one order on every rank). A ``Group`` lists its members in the order of the
+  axes' linearised index (first axis major); a process group orders them by global rank.
+  Each group keeps both maps (``pg_of``: member index -> process-group rank, ``idx_of``:
+  the inverse), and every result list is put back in ``Group`` order.
+- Uneven sizes: data moves as bytes, padded to the largest member and trimmed (gloo
+  refuses, or aborts the process on, size mismatches). Metadata (shapes, dtypes, byte
+  counts) travels as int64 tensors, never pickled objects.
+- Every wait is bounded by ``mesh.timeout``; a timeout becomes ``CommTimeout`` naming the
+  op, the axes, the rank and, where the store can tell (a background thread publishes
+  each process's per-group call counts there), the ranks that did not arrive. After a
+  timeout the process group is unusable (the transfer is still pending): tear it down.
+- ``SPMD_VALIDATE=1`` (or ``comm.validate = True``) compares op, arguments, dtypes and
+  shapes across ranks before each collective, at the cost of one more small collective,
+  and raises the same ``CommError`` on every rank instead of hanging or aborting.
+- The caller's tensors are never modified; results are new tensors (results of one
+  ``all_gather``/``all_to_all`` may share one receive buffer).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from .._format import shape_str
+from ..errors import CommAborted, CommError, CommTimeout, SpecError
+from ..mesh import Group, Mesh
+from .base import REDUCE_OPS
+
+__all__ = ["TorchComm"]
+
+_MAXDIM = 16
+_ROW = 3 + _MAXDIM  # dtype code, ndim, numel, shape padded with -1
+_OPCODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
+            "permute": 5, "broadcast": 6, "barrier": 7}
+_OPNAMES = {v: k for k, v in _OPCODES.items()}
+# Every dtype torch knows, in a fixed order: the same codes in every process.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+_DCODE = {d: i for i, d in enumerate(_DTYPES)}
+_ROPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_ROP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _PG:
+    """A group's process group and the maps between member index and its ranks."""
+
+    __slots__ = ("pg", "pg_of", "idx_of", "key")
+
+    def __init__(self, pg, pg_of: tuple[int, ...], key: int):
+        self.pg = pg
+        self.pg_of = pg_of  # member index -> process-group rank
+        idx = [0] * len(pg_of)
+        for i, p in enumerate(pg_of):
+            idx[p] = i
+        self.idx_of = tuple(idx)  # process-group rank -> member index
+        self.key = key  # the same on every member: names the group in progress counts
+
+
+class TorchComm:
+    """The comm protocol (``spmd/comm/base.py``) on torch.distributed.
+
+    Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
+    covering the mesh. Per-call cost over raw torch.distributed: one copy of the input
+    (never modified in place) and a dict lookup; no extra collective on the
+    all_reduce/reduce_scatter/broadcast/permute paths unless validation is on.
+    """
+
+    def __init__(self, mesh: Mesh):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise SpecError("TorchComm needs an initialised torch.distributed process group")
+        self.mesh = mesh
+        self.validate: bool = os.environ.get("SPMD_VALIDATE", "") == "1"
+        self._td = datetime.timedelta(seconds=mesh.timeout)
+        self._recs: dict[Group, _PG] = {}
+        self._pgs: dict[frozenset, dict[tuple[int, ...], object]] = {}
+        self._dm = None
+        self._zero: torch.Tensor | None = None
+        self._progress = _Progress.get()
+
+    # -- process groups -----------------------------------------------------------
+
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.device_mesh.DeviceMesh`` of this mesh (built on first use)."""
+        if self._dm is None:
+            from torch.distributed.device_mesh import init_device_mesh
+            self._dm = init_device_mesh(self.mesh.device.type, self.mesh.shape,
+                                        mesh_dim_names=self.mesh.axis_names)
+        return self._dm
+
+    def process_group(self, group: Group):
+        """The torch ProcessGroup of ``group`` (created on first use, on every rank)."""
+        return self._rec(group).pg
+
+    def _rec(self, group: Group) -> _PG:
+        rec = self._recs.get(group)
+        if rec is None:
+            pg = self._make_pg(group)
+            pg_of = tuple(dist.get_group_rank(pg, r) for r in group.ranks)
+            m = self.mesh
+            key = zlib.crc32(repr((m.shape, m.axis_names, group.axes, group.ranks)).encode())
+            rec = self._recs[group] = _PG(pg, pg_of, key)
+        return rec
+
+    def _make_pg(self, group: Group):
+        axes, mesh = group.axes, self.mesh
+        if len(axes) == 1:
+            return self.device_mesh.get_group(axes[0])
+        if len(set(axes)) == len(mesh.axis_names):
+            return dist.group.WORLD
+        key = frozenset(axes)
+        pgs = self._pgs.get(key)
+        if pgs is None:
+            # new_group is collective over the whole world: every rank creates every
+            # group of the partition, in the same (sorted) order.
+            parts = sorted({tuple(sorted(mesh.group(axes, r).ranks)) for r in range(mesh.size)})
+            pgs = self._pgs[key] = {p: dist.new_group(list(p)) for p in parts}
+        return pgs[tuple(sorted(group.ranks))]
+
+    # -- waiting --------------------------------------------------------------------
+
+    def _enter(self, rec: _PG) -> int:
+        counts = self._progress.counts
+        seq = counts.get(rec.key, 0)
+        counts[rec.key] = seq + 1
+        return seq
+
+    def _wait(self, work, name: str, group: Group, rec: _PG, seq: int, peers=None,
+              deadline: float | None = None) -> None:
+        td = self._td if deadline is None else datetime.timedelta(
+            seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            work.wait(timeout=td)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq, peers) from e
+
+    def _call(self, fn, name, group, rec, seq, *args, **kw) -> None:
+        """Run a collective with ``async_op=True`` and wait for it, bounded by the timeout."""
+        try:
+            work = fn(*args, group=rec.pg, async_op=True, **kw)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq) from e
+        self._wait(work, name, group, rec, seq)
+
+    def _failure(self, e: BaseException, name: str, group: Group, rec: _PG, seq: int,
+                 peers=None) -> CommError:
+        msg = str(e)
+        where = f"{name} over {_axes(group)}"
+        low = msg.lower()
+        if "timed out" in low or "timeout" in low:
+            if peers is None:
+                peers = [r for r in group.ranks if r != group.rank]
+            missing = self._progress.missing(rec.key, seq + 1, peers)
+            who = (f"ranks {list(missing)} of the group {list(group.ranks)} did not arrive"
+                   if missing else f"could not tell which ranks of the group "
+                   f"{list(group.ranks)} did not arrive")
+            return CommTimeout(f"{where} timed out after {self.mesh.timeout:g} s on rank "
+                               f"{group.rank}: {who}", op=name, axes=group.axes, missing=missing)
+        cls = CommAborted if ("closed" in low or "reset" in low or "abort" in low) else CommError
+        return cls(f"{where} failed on rank {group.rank} (group {list(group.ranks)}): {msg}")
+
+    # -- the protocol -------------------------------------------------------------------
+
+    def all_reduce(self, x, op, group, *, name):
+        rop = _rop(op, x.dtype, name)
+        if group.size == 1:
+            return _copy(x)
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
+        y = _copy(x)
+        self._call(dist.all_reduce, name, group, rec, seq, _reducible(y), op=rop)
+        return y
+
+    def all_gather(self, x, group, dim, *, name, sizes=None):
+        n = group.size
+        d = _norm_dim(x, dim, name)
+        if sizes is not None:
+            sizes = tuple(int(s) for s in sizes)
+            if len(sizes) != n:
+                raise SpecError(f"{name}: sizes {list(sizes)} has {len(sizes)} entries for a "
+                                f"group of {n} ranks over {_axes(group)}")
+        if n == 1:
+            if sizes is not None and sizes != (x.shape[d],):
+                raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, got "
+                                f"{[x.shape[d]]}")
+            return [_copy(x)]
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate or sizes is None:
+            if self.validate:
+                rows = self._validate(rec, group, seq, "all_gather", d, [x], name, skip_dim=d)
+            else:  # the sizes are needed anyway: check dtype and the other dims with them
+                rows = self._gather_rows(rec, group, seq, [x], name)
+                _check_rows([r[0] for r in rows], group, name, skip_dim=d)
+            got = tuple(r[0][3 + d] for r in rows)
+            if sizes is not None and got != sizes:
+                raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, got "
+                                f"{list(got)}")
+            sizes = got
+        elif x.shape[d] != sizes[group.index]:
+            raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, but rank "
+                            f"{group.rank} (member {group.index} of {_axes(group)}) has "
+                            f"{x.shape[d]}")
+        shapes = [x.shape[:d] + (s,) + x.shape[d + 1:] for s in sizes]
+        isz = x.element_size()
+        nbytes = [_numel(s) * isz for s in shapes]
+        m = max(nbytes)
+        if m == 0:
+            return [x.new_empty(s) for s in shapes]
+        xc = x.detach().contiguous()
+        if nbytes[group.index] == m:
+            send = _bytes(xc)  # the input itself: all_gather only reads it
+        else:
+            send = torch.zeros(m, dtype=torch.uint8, device=x.device)
+            send[:nbytes[group.index]].copy_(_bytes(xc))
+        out = torch.empty(n * m, dtype=torch.uint8, device=x.device)
+        self._call(_all_gather_single, name, group, rec, seq, out, send)
+        res = []
+        for i, s in enumerate(shapes):
+            off = rec.pg_of[i] * m
+            res.append(out[off:off + nbytes[i]].view(x.dtype).view(s))
+        return res
+
+    def reduce_scatter(self, chunks, op, group, *, name):
+        n = group.size
+        if len(chunks) != n:
+            raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
+                            f"group of {n}")
+        mine = chunks[group.index]
+        rop = _rop(op, mine.dtype, name)
+        if any(c.dtype != mine.dtype for c in chunks):
+            raise SpecError(f"{name}: the chunks must share one dtype, got "
+                            f"{[shape_str(c.shape, c.dtype) for c in chunks]}")
+        if n == 1:
+            return _copy(mine)
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "reduce_scatter", _ROP_CODE[op], chunks, name,
+                           count=len(chunks))
+        flat = [_reducible(chunks[i].detach().contiguous()).view(-1) for i in rec.idx_of]
+        lens = [f.numel() for f in flat]
+        m = max(lens)
+        k = flat[rec.pg_of[group.index]].numel()
+        if m == 0:
+            return mine.new_empty(mine.shape)
+        if all(v == m for v in lens):
+            inp = torch.cat(flat)
+        else:
+            inp = flat[0].new_zeros(n, m)
+            for p, f in enumerate(flat):
+                inp[p, :f.numel()].copy_(f)
+            inp = inp.view(-1)
+        out = inp.new_empty(m)
+        self._call(_reduce_scatter_single, name, group, rec, seq, out, inp, op=rop)
+        return _unreducible(out[:k], mine.dtype).view(mine.shape)
+
+    def all_to_all(self, chunks, group, *, name):
+        n = group.size
+        if len(chunks) != n:
+            raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
+                            f"group of {n}")
+        if n == 1:
+            return [_copy(chunks[0])]
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "all_to_all", 0, [], name, count=len(chunks))
+        dev = chunks[group.index].device
+        send = [chunks[i].detach().contiguous() for i in rec.idx_of]  # process-group order
+        meta = torch.tensor([v for t in send for v in _row(t, name)], dtype=torch.int64, device=dev)
+        rmeta = torch.empty_like(meta)
+        self._call(dist.all_to_all_single, name, group, rec, seq, rmeta, meta)
+        rows = rmeta.view(n, _ROW).tolist()
+        in_bytes = [t.numel() * t.element_size() for t in send]
+        out_bytes = [r[2] * _dtype(r[0], name).itemsize for r in rows]
+        sbuf = torch.cat([_bytes(t) for t in send])
+        rbuf = torch.empty(sum(out_bytes), dtype=torch.uint8, device=dev)
+        self._call(dist.all_to_all_single, name, group, rec, seq, rbuf, sbuf,
+                   output_split_sizes=out_bytes, input_split_sizes=in_bytes)
+        offs = [0]
+        for b in out_bytes:
+            offs.append(offs[-1] + b)
+        res = []
+        for i in range(n):
+            p = rec.pg_of[i]
+            r = rows[p]
+            dt = _dtype(r[0], name)
+            seg = rbuf[offs[p]:offs[p + 1]]
+            if offs[p] % dt.itemsize:
+                seg = seg.clone()
+            res.append(seg.view(dt).view(r[3:3 + r[1]]))
+        return res
+
+    def permute(self, x, group, pairs, *, name):
+        me = group.index
+        srcs = [s for s, d in pairs if d == me]
+        if group.size == 1:
+            return _copy(x) if srcs else None
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "permute", zlib.crc32(repr(tuple(pairs)).encode()),
+                           [x], name)
+        xc = x.detach().contiguous()
+        dsts = [d for s, d in pairs if s == me and d != me]
+        ops, recv = [], {}
+        pg = rec.pg
+        for d in dsts:
+            if xc.numel():
+                ops.append(dist.P2POp(dist.isend, _bytes(xc), group.ranks[d], pg))
+        for s in srcs:
+            if s != me and s not in recv:
+                recv[s] = buf = torch.empty(xc.shape, dtype=xc.dtype, device=xc.device)
+                if buf.numel():
+                    ops.append(dist.P2POp(dist.irecv, _bytes(buf), group.ranks[s], pg))
+        if ops:
+            peers = sorted({group.ranks[i] for i in dsts + [s for s in srcs if s != me]})
+            try:
+                works = dist.batch_isend_irecv(ops)
+            except RuntimeError as e:
+                raise self._failure(e, name, group, rec, seq, peers) from e
+            deadline = time.monotonic() + self.mesh.timeout
+            for w in works:
+                self._wait(w, name, group, rec, seq, peers, deadline)
+        if not srcs:
+            return None
+        return _copy(x) if srcs[0] == me else recv[srcs[0]]
+
+    def broadcast(self, x, src, group, *, name):
+        if not 0 <= src < group.size:
+            raise SpecError(f"{name}: src {src} is not a member index of {_axes(group)} "
+                            f"(0..{group.size - 1})")
+        if group.size == 1:
+            return _copy(x)
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "broadcast", src, [x], name)
+        if group.index == src:
+            y = _copy(x)
+        else:
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if y.numel():
+            self._call(dist.broadcast, name, group, rec, seq, _bytes(y), src=group.ranks[src])
+        return y
+
+    def barrier(self, group, *, name="barrier"):
+        if group.size == 1:
+            return
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "barrier", 0, [], name)
+        if self._zero is None:
+            self._zero = torch.zeros(1, device=self.mesh.device)
+        self._call(dist.all_reduce, name, group, rec, seq, self._zero)  # stays zero
+
+    # -- metadata --------------------------------------------------------------------
+
+    def _gather_rows(self, rec, group, seq, tensors, name) -> list[list[list[int]]]:
+        """Every member's metadata rows for ``tensors``, in group order."""
+        n = group.size
+        meta = torch.tensor([v for t in tensors for v in _row(t, name)], dtype=torch.int64,
+                            device=tensors[0].device)
+        out = meta.new_empty(n * meta.numel())
+        self._call(_all_gather_single, name, group, rec, seq, out, meta)
+        flat = out.view(n, len(tensors), _ROW).tolist()
+        return [flat[p] for p in rec.pg_of]
+
+    def _validate(self, rec, group, seq, op, extra, tensors, name, *, count=None,
+                  skip_dim=None) -> list[list[list[int]]]:
+        """Compare op, ``extra`` argument, chunk count and tensor metadata across members,
+        with one all_gather of a fixed-size int64 vector; the same CommError on every rank."""
+        n = group.size
+        rows = [_row(t, name) for t in tensors[:n]]
+        rows += [[-1] * _ROW] * (n - len(rows))
+        vec = [_OPCODES[op], int(extra), len(tensors) if count is None else count]
+        vec += [v for r in rows for v in r]
+        dev = tensors[0].device if tensors else self.mesh.device
+        meta = torch.tensor(vec, dtype=torch.int64, device=dev)
+        out = meta.new_empty(n * meta.numel())
+        self._call(_all_gather_single, name, group, rec, seq, out, meta)
+        allv = out.view(n, -1).tolist()
+        allv = [allv[p] for p in rec.pg_of]
+        ranks = group.ranks
+        for i, v in enumerate(allv):
+            if v[0] != allv[0][0]:
+                raise CommError(
+                    f"{name}: collective mismatch over {_axes(group)}: rank {ranks[i]} called "
+                    f"{_OPNAMES.get(v[0], v[0])} while rank {ranks[0]} called {op} (call #{seq} "
+                    f"on this group); every rank must run the same collectives in the same order")
+        if count is not None:
+            for i, v in enumerate(allv):
+                if v[2] != n:
+                    raise CommError(f"{name}: rank {ranks[i]} passed {v[2]} chunks for a group "
+                                    f"of {n}")
+        for i, v in enumerate(allv):
+            if v[1] != allv[0][1]:
+                label, a, b = _extra(op, allv[0][1], v[1])
+                raise CommError(f"{name} over {_axes(group)}: rank {ranks[0]} passed {label} {a} "
+                                f"but rank {ranks[i]} passed {label} {b}; every rank must pass "
+                                f"the same {label}")
+        per = [[v[3 + j * _ROW:3 + (j + 1) * _ROW] for j in range(n)] for v in allv]
+        if op != "all_to_all":
+            for j in range(len(tensors[:n])):
+                _check_rows([p[j] for p in per], group, name, skip_dim=skip_dim,
+                            chunk=j if op == "reduce_scatter" else None)
+        return per
+
+
+class _Progress:
+    """Per-process call counts per group, published to the store by a daemon thread.
+
+    On a timeout, a rank compares its own count for the group with its peers' published
+    counts: a peer whose count is lower never entered the collective.
+    """
+
+    _instance: _Progress | None = None
+    interval = 0.5
+
+    def __init__(self):
+        self.counts: dict[int, int] = {}
+        self.store = None
+        self.rank = -1
+        self._last = None
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+            self.rank = dist.get_rank()
+        except Exception:  # noqa: BLE001 - best effort: no store, no missing-rank names
+            self.store = None
+        if self.store is not None:
+            threading.Thread(target=self._loop, daemon=True, name="spmd-progress").start()
+
+    @classmethod
+    def get(cls) -> _Progress:
+        inst = cls._instance
+        if inst is None or inst.rank != _rank_or(-2):
+            inst = cls._instance = cls()
+        return inst
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            try:
+                self.publish()
+            except Exception:  # noqa: BLE001 - the store went away: stop publishing
+                return
+
+    def publish(self) -> None:
+        s = ",".join(f"{k}:{v}" for k, v in list(self.counts.items()))
+        if s != self._last:
+            self.store.set(f"spmd/progress/{self.rank}", s)
+            self._last = s
+
+    def missing(self, key: int, mine: int, peers) -> tuple[int, ...]:
+        """Peers whose count for group ``key`` is below ``mine`` (empty if unknown)."""
+        if self.store is None:
+            return ()
+        try:
+            self.publish()
+            time.sleep(self.interval + 0.3)  # let peers that did arrive publish it
+            out = []
+            for r in peers:
+                k = f"spmd/progress/{r}"
+                if not self.store.check([k]):
+                    out.append(r)
+                    continue
+                counts = dict(kv.split(":") for kv in self.store.get(k).decode().split(",") if kv)
+                if int(counts.get(str(key), 0)) < mine:
+                    out.append(r)
+            return tuple(out)
+        except Exception:  # noqa: BLE001 - best effort
+            return ()
+
+
+def _rank_or(default: int) -> int:
+    try:
+        return dist.get_rank()
+    except Exception:  # noqa: BLE001
+        return default
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 view (moving data ignores dtype)."""
+    return t.view(-1).view(torch.uint8)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _rop(op: str, dtype: torch.dtype, name: str):
+    if op not in _ROPS:
+        raise SpecError(f"{name}: reduction op must be one of {REDUCE_OPS}, got {op!r}")
+    if dtype == torch.bool:  # torch's bool sum is logical or, like max
+        return _ROPS["min" if op == "min" else "max"]
+    if dtype.is_complex and op != "sum":
+        raise SpecError(f"{name}: op {op!r} is not defined for complex tensors; use 'sum'")
+    return _ROPS[op]
+
+
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    """A view of contiguous ``t`` that process groups can reduce (bool, complex)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t
+
+
+def _unreducible(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return flat.view(torch.bool)
+    if dtype.is_complex:
+        return torch.view_as_complex(flat.view(-1, 2))
+    return flat
+
+
+def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
+    if not -x.ndim <= dim < max(x.ndim, 1) or x.ndim == 0:
+        raise SpecError(f"{name}: dim {dim} is out of range for {shape_str(x.shape, x.dtype)}")
+    return dim % x.ndim
+
+
+def _row(t: torch.Tensor, name: str) -> list[int]:
+    if t.ndim > _MAXDIM:
+        raise NotImplementedError(f"{name}: tensors with more than {_MAXDIM} dims are not "
+                                  f"supported by the torch backend, got {t.ndim} dims")
+    code = _DCODE.get(t.dtype, len(_DTYPES))
+    return [code, t.ndim, t.numel(), *t.shape] + [-1] * (_MAXDIM - t.ndim)
+
+
+def _dtype(code: int, name: str) -> torch.dtype:
+    if 0 <= code < len(_DTYPES):
+        return _DTYPES[code]
+    raise CommError(f"{name}: received a tensor of a dtype this process does not know")
+
+
+def _describe_row(r: list[int]) -> str:
+    dt = _DTYPES[r[0]] if 0 <= r[0] < len(_DTYPES) else None
+    return shape_str(r[3:3 + r[1]], dt)
+
+
+def _check_rows(rows: list[list[int]], group: Group, name: str, *, skip_dim=None,
+                chunk=None) -> None:
+    """threads.py's ``_same_meta`` on metadata rows (same message on every rank)."""
+    r0 = rows[0]
+    for i, r in enumerate(rows[1:], 1):
+        a, b = list(r0[:2] + r0[3:]), list(r[:2] + r[3:])
+        if skip_dim is not None and r0[1] == r[1]:
+            a[2 + skip_dim] = b[2 + skip_dim] = -1
+        if a != b:
+            what = f" chunk {chunk}:" if chunk is not None else ""
+            raise CommError(
+                f"{name} over {_axes(group)}:{what} rank {group.ranks[0]} passed "
+                f"{_describe_row(r0)} but rank {group.ranks[i]} passed {_describe_row(r)}; every "
+                f"rank must pass the same dtype and shape"
+                + (f" (except along dim {skip_dim})" if skip_dim is not None else ""))
+
+
+def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
+    if op in ("all_reduce", "reduce_scatter"):
+        return "reduction op", repr(REDUCE_OPS[a]), repr(REDUCE_OPS[b])
+    if op == "all_gather":
+        return "dim", a, b
+    if op == "broadcast":
+        return "src", a, b
+    return "pairs", "one set", "another"
+
+
+def _axes(group: Group) -> str:
+    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"

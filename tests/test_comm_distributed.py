@@ -1,0 +1,254 @@
+"""TorchComm (spmd/comm/distributed.py) through the comm protocol, on real gloo processes.
+
+Every suite runs the same per-rank function on gloo processes and on the threads backend
+and compares the results exactly (values are integers, so sums are exact in any order).
+Functions run by workers are module-level so that spawned processes can import them.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from spmd.errors import CommError, CommTimeout
+from spmd.launch import launch
+
+pytestmark = pytest.mark.gloo
+
+
+# -- per-rank programs ----------------------------------------------------------------------
+
+def _suite(mesh, axes):
+    """Every protocol op over ``axes``, with uneven sizes, zero-size parts and odd dtypes."""
+    g, c, r = mesh.group(axes), mesh.comm, mesh.rank
+    i, n = g.index, g.size
+    out = {"group": (g.ranks, g.index)}
+    x = torch.tensor([[r, -r, 3], [2 * r, 5, -1]], dtype=torch.float32)
+    x0 = x.clone()
+    for op in ("sum", "max", "min"):
+        out["ar_" + op] = c.all_reduce(x.t(), op, g, name="p" + op)  # non-contiguous input
+    out["ar_int"] = c.all_reduce(torch.arange(3) * (r + 1), "sum", g, name="psum")
+    b = torch.tensor([r == 0, False, True])
+    out["ar_bool"] = [c.all_reduce(b, op, g, name="p" + op) for op in ("sum", "min")]
+    out["ar_c64"] = c.all_reduce(torch.tensor([1 + 2j, r * 1j], dtype=torch.complex64), "sum",
+                                 g, name="psum")
+    # all_gather: member i holds i columns (member 0 holds none).
+    y = torch.arange(3 * i, dtype=torch.float64).reshape(3, i) + 100 * r
+    out["ag"] = c.all_gather(y, g, 1, name="all_gather")
+    out["ag_sizes"] = c.all_gather(y, g, -1, name="all_gather", sizes=tuple(range(n)))
+    out["ag_rank"] = c.all_gather(torch.tensor([r]), g, 0, name="all_gather")
+    out["ag_even"] = c.all_gather(torch.full((2, 2), r, dtype=torch.int32), g, 0, name="all_gather")
+    # reduce_scatter: chunk j has shape (j + 1, 2) on every rank.
+    chunks = [torch.full((j + 1, 2), float((r + 1) * (j + 1))) + torch.arange(2) * r
+              for j in range(n)]
+    for op in ("sum", "max", "min"):
+        out["rs_" + op] = c.reduce_scatter(chunks, op, g, name="psum_scatter")
+    out["rs_even"] = c.reduce_scatter([torch.full((2,), r + j) for j in range(n)], "sum", g,
+                                      name="psum_scatter")
+    # all_to_all: the chunk member i sends to member j has shape (i + 1, j).
+    out["a2a"] = c.all_to_all([torch.full((i + 1, j), float(10 * r + j)) for j in range(n)], g,
+                              name="all_to_all")
+    out["a2a_bool"] = c.all_to_all([torch.tensor([r == j, True]) for j in range(n)], g,
+                                   name="all_to_all")
+    # permute: a cyclic shift, a partial permutation, a self pair.
+    z = torch.arange(4.0) + 10 * r
+    out["shift"] = c.permute(z, g, tuple((k, (k + 1) % n) for k in range(n)), name="ppermute")
+    out["partial"] = c.permute(z, g, ((0, n - 1),), name="ppermute")
+    out["self"] = c.permute(z, g, ((0, 0), (1, n - 1)), name="ppermute")
+    out["bcast"] = c.broadcast(z * 2, n - 1, g, name="broadcast")
+    out["bcast0"] = c.broadcast(z[:1].int(), 0, g, name="broadcast")
+    c.barrier(g)
+    out["unchanged"] = torch.equal(x, x0)
+    return out
+
+
+def _validated_suite(mesh, axes):
+    """The suite with cross-rank validation on (SPMD_VALIDATE=1) where the backend has it."""
+    c = mesh.comm
+    old = getattr(c, "validate", None)
+    if old is not None:
+        c.validate = True
+    try:
+        return _suite(mesh, axes)
+    finally:
+        if old is not None:
+            c.validate = old
+
+
+def _mismatch(mesh):
+    c = mesh.comm
+    c.validate = True
+    try:
+        return c.all_reduce(torch.zeros(2 + mesh.rank), "sum", mesh.group("sp"), name="psum")
+    finally:
+        c.validate = False
+
+
+def _gather_mismatch(mesh):
+    # No validation: the size exchange of all_gather catches a shape mismatch off dim.
+    x = torch.zeros(3, 1 + mesh.rank)
+    return mesh.comm.all_gather(x, mesh.group("sp"), 0, name="all_gather")
+
+
+def _never_arrives(mesh):
+    if mesh.rank == 1:
+        time.sleep(60)
+    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+
+
+def _raises_on_1(mesh):
+    if mesh.rank == 1:
+        raise ValueError("boom")
+    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+
+
+class _Unpicklable(Exception):
+    def __init__(self, *, code):
+        super().__init__(f"code {code}")
+
+
+def _raises_unpicklable(mesh):
+    if mesh.rank == 1:
+        raise _Unpicklable(code=7)
+    return 0
+
+
+def _dies_on_1(mesh):
+    if mesh.rank == 1:
+        os._exit(3)
+    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+
+
+def _sleeps(mesh):
+    time.sleep(30)
+
+
+def _rank_sum(mesh):
+    return mesh.comm.all_reduce(torch.tensor([float(mesh.rank)]), "sum", mesh.group("sp"),
+                                name="psum").item()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def _same(a, b, path="out"):
+    assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a!r} vs {b!r}"
+        assert torch.equal(a, b), f"{path}: {a!r} vs {b!r}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: lengths {len(a)} vs {len(b)}"
+        for k, (u, v) in enumerate(zip(a, b)):
+            _same(u, v, f"{path}[{k}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _check_suite(got, shape, names, axes):
+    want = launch(_suite, shape, names, backend="threads", args=(axes,), timeout=30)
+    _same(got, want)
+    for res in got:
+        ranks, _ = res["group"]
+        assert [int(t) for t in res["ag_rank"]] == list(ranks)  # group order, not rank order
+        assert res["unchanged"]
+        assert [t.shape[1] for t in res["ag"]] == list(range(len(ranks)))
+
+
+# -- tests ----------------------------------------------------------------------------------
+
+def test_suite_world2(gloo2):
+    got = gloo2.run(_suite, (2,), ("sp",), args=("sp",))
+    _check_suite(got, (2,), ("sp",), "sp")
+    # A few values spelled out.
+    assert got[0]["ar_sum"].tolist() == [[1, 2], [-1, 10], [6, -2]]
+    assert got[0]["partial"] is None and got[1]["partial"].tolist() == [0, 1, 2, 3]
+    assert got[1]["shift"].tolist() == [0, 1, 2, 3] and got[0]["shift"].tolist() == [10, 11, 12, 13]
+    assert got[0]["rs_sum"].tolist() == [[3, 4]] and got[1]["rs_sum"].shape == (2, 2)
+    assert [t.shape for t in got[1]["a2a"]] == [(1, 1), (2, 1)]
+
+
+def test_suite_validated_world2(gloo2):
+    got = gloo2.run(_validated_suite, (2,), ("sp",), args=("sp",))
+    _check_suite(got, (2,), ("sp",), "sp")
+
+
+def test_suite_2d_mesh_tuple_group(gloo4):
+    # ("sp", "dp") on a ("dp", "sp") mesh: group order differs from global-rank order.
+    got = gloo4.run(_suite, (2, 2), ("dp", "sp"), args=(("sp", "dp"),))
+    assert got[0]["group"][0] == (0, 2, 1, 3)
+    _check_suite(got, (2, 2), ("dp", "sp"), ("sp", "dp"))
+    got = gloo4.run(_suite, (2, 2), ("dp", "sp"), args=("dp",))
+    _check_suite(got, (2, 2), ("dp", "sp"), "dp")
+    # Tuples of some of the axes: process groups from dist.new_group (two partitions for
+    # ("tp", "sp")); a size-1 axis needs no communication at all.
+    shape, names = (2, 2, 1), ("dp", "sp", "tp")
+    for axes in (("sp", "dp"), ("tp", "sp"), "tp"):
+        _check_suite(gloo4.run(_suite, shape, names, args=(axes,)), shape, names, axes)
+
+
+def test_suite_world4(gloo4):
+    got = gloo4.run(_suite, (4,), ("sp",), args=("sp",))
+    _check_suite(got, (4,), ("sp",), "sp")
+
+
+def test_validation_mismatch_same_error_everywhere(gloo2):
+    with pytest.raises(CommError, match=r"rank \d: psum over axis 'sp': rank 0 passed "
+                       r"f32\[2\] but rank 1 passed f32\[3\]"):
+        gloo2.run(_mismatch, (2,), ("sp",))
+    with pytest.raises(CommError, match=r"f32\[3, 1\] but rank 1 passed f32\[3, 2\].*except "
+                       r"along dim 0"):
+        gloo2.run(_gather_mismatch, (2,), ("sp",))
+    assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+def test_timeout_names_missing_rank_and_pool_recovers(gloo2):
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeout, match=r"rank 0: psum over axis 'sp' timed out after 2 s on "
+                       r"rank 0: ranks \[1\] of the group \[0, 1\] did not arrive") as e:
+        gloo2.run(_never_arrives, (2,), ("sp",), timeout=2)
+    assert e.value.missing == (1,) and e.value.axes == ("sp",) and e.value.op == "psum"
+    assert time.monotonic() - t0 < 15
+    assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+def test_exception_on_one_rank(gloo2):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1: boom"):
+        gloo2.run(_raises_on_1, (2,), ("sp",))
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1: _Unpicklable\('code 7'\).*traceback on rank 1"):
+        gloo2.run(_raises_unpicklable, (2,), ("sp",))
+    with pytest.raises(RuntimeError, match=r"rank 1: process exited \(exit code 3\)"):
+        gloo2.run(_dies_on_1, (2,), ("sp",))
+    assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+def test_whole_run_deadline():
+    from spmd._procs import ProcessPool
+    with ProcessPool(2, timeout=1, slack=0.5) as pool:
+        assert pool.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+        pids = {p.pid for p in pool._procs}
+        with pytest.raises(CommTimeout, match=r"ranks \[0, 1\] of 2 did not finish") as e:
+            pool.run(_sleeps, (2,), ("sp",))
+        assert e.value.missing == (0, 1) and not pool.started
+    assert not pids & {p.pid for p in multiprocessing.active_children()}
+
+
+def test_launch_one_shot():
+    before = {p.pid for p in multiprocessing.active_children()}
+    assert launch(_rank_sum, (2,), ("sp",), backend="gloo", timeout=30) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="rank 1: boom"):
+        launch(_raises_on_1, (2,), ("sp",), backend="gloo", timeout=30)
+    assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_no_children_left(gloo2, gloo4):
+    gloo2.close()  # the session pools restart lazily if a later test uses them
+    gloo4.close()
+    assert multiprocessing.active_children() == []

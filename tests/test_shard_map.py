@@ -1,0 +1,334 @@
+"""shard_map(f_local)(x) == f_global(x), in value and gradient.
+
+Float64 throughout; tolerance 1e-10: the sharded run only reorders additions (partial
+sums per shard, then psum in rank order), which changes results by a few ulps.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import spmd
+from spmd import P
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+DT = torch.float64
+
+MESHES_1D = [(1,), (2,), (3,), (4,)]
+MESHES_2D = [(2, 2), (1, 3), (2, 3)]
+
+
+def _check(f_local, f_global, mesh, in_specs, out_specs, args, **kw):
+    """Compare values and gradients (for a random linear functional of the outputs)."""
+    args_a = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    args_b = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = spmd.shard_map(f_local, mesh, in_specs, out_specs, **kw)(*args_a)
+    ref = f_global(*args_b)
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    g = torch.Generator().manual_seed(1)
+    loss_a = loss_b = 0.0
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape, (o.shape, r.shape)
+        torch.testing.assert_close(o, r, **TOL)
+        w = torch.randn(r.shape, generator=g, dtype=DT)
+        loss_a = loss_a + (o * w).sum()
+        loss_b = loss_b + (r * w).sum()
+    loss_a.backward()
+    loss_b.backward()
+    for a, b in zip(args_a, args_b):
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, **TOL)
+
+
+shapes = st.tuples(st.integers(1, 9), st.integers(1, 5))
+
+
+@given(mesh_shape=st.sampled_from(MESHES_1D), shape=shapes, seed=st.integers(0, 2**16))
+def test_psum_to_replicated(mesh_shape, shape, seed):
+    mesh = spmd.Mesh(mesh_shape, ("sp",))
+    x = torch.randn(shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    _check(lambda x: spmd.psum((x ** 2).sum(0), "sp"), lambda x: (x ** 2).sum(0),
+           mesh, P("sp"), P(), [x])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_1D), shape=shapes, seed=st.integers(0, 2**16))
+def test_all_gather_uneven(mesh_shape, shape, seed):
+    mesh = spmd.Mesh(mesh_shape, ("sp",))
+    x = torch.randn(shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    _check(lambda x: spmd.all_gather(torch.sin(x), "sp", tiled=True).cumsum(0),
+           lambda x: torch.sin(x).cumsum(0), mesh, P("sp"), P(), [x])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_1D), n=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_ppermute_halo_stencil(mesh_shape, n, seed):
+    """A 3-point stencil: halos from neighbours by ppermute (shards of >= 1 row)."""
+    k = mesh_shape[0]
+    mesh = spmd.Mesh(mesh_shape, ("sp",))
+    x = torch.randn(k * n + (seed % k), 3, dtype=DT, generator=torch.Generator().manual_seed(seed))
+
+    def local(x):
+        top = spmd.ppermute(x[-1:], "sp", [(i, i + 1) for i in range(k - 1)])
+        bot = spmd.ppermute(x[:1], "sp", [(i + 1, i) for i in range(k - 1)])
+        u = torch.cat([top, x, bot])
+        return u[:-2] - 2 * u[1:-1] + u[2:]
+
+    def glob(x):
+        u = torch.nn.functional.pad(x, (0, 0, 1, 1))
+        return u[:-2] - 2 * u[1:-1] + u[2:]
+
+    _check(local, glob, mesh, P("sp"), P("sp"), [x])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_2D), shape=shapes, seed=st.integers(0, 2**16))
+def test_replicated_input_with_sharded(mesh_shape, shape, seed):
+    """b is replicated over every axis: its gradient is summed over all ranks."""
+    mesh = spmd.Mesh(mesh_shape, ("dp", "sp"))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, dtype=DT, generator=g)
+    b = torch.randn(shape[1], dtype=DT, generator=g)
+    _check(lambda x, b: torch.tanh(x * b + b), lambda x, b: torch.tanh(x * b + b),
+           mesh, (P("dp"), P()), P("dp"), [x, b])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_2D), shape=shapes, seed=st.integers(0, 2**16))
+def test_2d_mesh_row_norms(mesh_shape, shape, seed):
+    """Rows over dp, columns over sp: row norms need a psum over sp only."""
+    mesh = spmd.Mesh(mesh_shape, ("dp", "sp"))
+    x = torch.randn(shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    _check(lambda x: spmd.psum((x ** 2).sum(1), "sp").sqrt(),
+           lambda x: (x ** 2).sum(1).sqrt(), mesh, P("dp", "sp"), P("dp"), [x])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_2D), shape=shapes, seed=st.integers(0, 2**16),
+       tuple_order=st.booleans())
+def test_tuple_axes_dim(mesh_shape, shape, seed, tuple_order):
+    """A dim split over a tuple of axes; the reduction over that tuple."""
+    axes = ("dp", "sp") if tuple_order else ("sp", "dp")
+    mesh = spmd.Mesh(mesh_shape, ("dp", "sp"))
+    x = torch.randn(shape, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    _check(lambda x: (spmd.psum(x.sum(0), axes), spmd.all_gather(x * 2, axes, tiled=True)),
+           lambda x: (x.sum(0), x * 2), mesh, P(axes), (P(), P()), [x])
+
+
+@given(k=st.integers(1, 4), cols=st.integers(1, 5), seed=st.integers(0, 2**16))
+def test_pmax_is_amax_over_ranks(k, cols, seed):
+    """One row per rank: pmax over ranks is amax over rows, ties sharing the gradient."""
+    mesh = spmd.Mesh((k,), ("sp",))
+    # Few distinct values: ties across ranks are common.
+    x = torch.randint(0, 3, (k, cols), generator=torch.Generator().manual_seed(seed)).to(DT)
+    _check(lambda x: spmd.pmax(x[0], "sp"), lambda x: x.amax(0), mesh, P("sp"), P(), [x])
+    _check(lambda x: spmd.pmin(x[0], "sp"), lambda x: x.amin(0), mesh, P("sp"), P(), [x])
+
+
+def test_empty_shard_still_joins_collective_backward():
+    """A rank whose shard is empty computes a constant; its psum must still have a
+    backward, or the other ranks would wait for it forever."""
+    mesh = spmd.Mesh((4,), ("sp",), timeout=20)
+    x = torch.randn(2, 3, dtype=DT)  # ranks 2 and 3 hold no rows
+
+    def local(x):
+        m = x.amax(0) if x.shape[0] else torch.full(x.shape[1:], -math.inf, dtype=DT)
+        return spmd.pmax(m, "sp")
+
+    _check(local, lambda x: x.amax(0), mesh, P("sp"), P(), [x])
+
+
+@given(k=st.integers(1, 4), rows=st.integers(1, 3), cols=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_all_to_all_transpose_layout(k, rows, cols, seed):
+    """Rows split -> columns split with one all_to_all (even sizes)."""
+    mesh = spmd.Mesh((k,), ("sp",))
+    x = torch.randn(k * rows, k * cols, dtype=DT, generator=torch.Generator().manual_seed(seed))
+    _check(lambda x: spmd.all_to_all(x, "sp", 1, 0, tiled=True) * 3, lambda x: x * 3,
+           mesh, P("sp"), P(None, "sp"), [x])
+
+
+@given(mesh_shape=st.sampled_from(MESHES_1D + MESHES_2D), seed=st.integers(0, 2**16))
+def test_module_parameters_get_global_gradient(mesh_shape, seed):
+    """A body that closes over nn.Linear weights: the parameter gradients are global."""
+    names = ("dp", "sp")[-len(mesh_shape):]
+    mesh = spmd.Mesh(mesh_shape, names)
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(3, 2).double()
+    ref = torch.nn.Linear(3, 2).double()
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(7, 3, dtype=DT)  # no input requires grad: only parameters do
+    ax = names[0]
+    loss = spmd.shard_map(lambda x: spmd.psum(torch.tanh(lin(x)).sum(), ax), mesh, P(ax), P())(x)
+    loss.backward()
+    torch.tanh(ref(x)).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, **TOL)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, **TOL)
+
+
+def test_module_as_f_and_autograd_grad():
+    mesh = spmd.Mesh((3,), ("sp",))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).double()
+    x = torch.randn(8, 4, dtype=DT)
+    f = spmd.shard_map(lin, mesh, P("sp"), P("sp"))
+    gw, = torch.autograd.grad((f(x) ** 2).sum(), [lin.weight])
+    ref, = torch.autograd.grad((lin(x) ** 2).sum(), [lin.weight])
+    torch.testing.assert_close(gw, ref, **TOL)
+    assert lin.weight.grad is None  # autograd.grad fills no .grad
+
+
+def test_pytree_args_and_outputs():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    x = {"a": torch.randn(5, 4, dtype=DT), "b": torch.randn(4, dtype=DT)}
+
+    def local(d):
+        return {"s": spmd.psum(d["a"].sum(0), "dp"), "y": d["a"] * d["b"]}
+
+    def glob(d):
+        return {"s": d["a"].sum(0), "y": d["a"] * d["b"]}
+
+    out = spmd.shard_map(local, mesh, ({"a": P("dp", "sp"), "b": P("sp")},),
+                         {"s": P("sp"), "y": P("dp", "sp")})(x)
+    ref = glob(x)
+    torch.testing.assert_close(out["s"], ref["s"], **TOL)
+    torch.testing.assert_close(out["y"], ref["y"], **TOL)
+
+
+def test_explicit_layout_in_specs_uneven():
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = torch.arange(10.0, dtype=DT)
+    lay = spmd.Layout(x.shape, P("sp"), mesh, sizes={0: [0, 7, 3]})
+    sizes = spmd.shard_map(lambda x: torch.tensor([x.shape[0]]), mesh, lay, P("sp"))(x)
+    assert sizes.tolist() == [0, 7, 3]
+    y = spmd.shard_map(lambda x: x * 2, mesh, lay, P("sp"))(x)
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_non_tensor_args_and_outputs_pass_through():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda x, k: (x * k, k + 1), mesh, (P("sp"), None), (P("sp"), None))
+    y, k = f(torch.ones(3), 2)
+    assert y.tolist() == [2.0, 2.0, 2.0] and k == 3
+
+
+def test_check_rep_passes_for_psum_and_names_rank_and_index():
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = torch.arange(6.0)
+    ok = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P(), check_rep=True)
+    assert ok(x).item() == 15.0
+    bad = spmd.shard_map(lambda x: x[:1] * 0 + spmd.axis_index("sp") // 2, mesh, P("sp"), P(),
+                         check_rep=True)
+    with pytest.raises(spmd.SpecError, match=r"rank 2 differs from rank 0 at local index \[0\]"):
+        bad(x)
+
+
+def test_per_rank_on_launch_threads_gives_global_gradient():
+    x = torch.randn(7, 2, dtype=DT)
+
+    def per_rank(mesh, x):
+        x = x.clone().requires_grad_()  # every rank its own tensor
+        y = spmd.shard_map(lambda x: spmd.psum((x ** 3).sum(), "sp"), mesh, P("sp"), P())(x)
+        y.backward()
+        return y.item(), x.grad
+
+    ref = (x ** 3).sum().item()
+    for val, grad in spmd.launch(per_rank, (3,), ("sp",), args=(x,)):
+        assert abs(val - ref) < 1e-10
+        torch.testing.assert_close(grad, 3 * x ** 2, **TOL)
+
+
+def test_per_rank_shared_tensor_not_double_counted():
+    x = torch.randn(5, dtype=DT, requires_grad=True)
+
+    def per_rank(mesh, x):
+        y = spmd.shard_map(lambda x: spmd.all_gather(x * 2, "sp", tiled=True), mesh, P("sp"), P())(x)
+        y.sum().backward()
+
+    spmd.launch(per_rank, (2,), ("sp",), args=(x,))
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
+
+
+# -- errors: raised before any communication, with the key path ------------------------------
+
+def test_error_in_specs_not_a_prefix_names_key_path():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a, b: a, mesh, (P("sp"), {"w": P()}), P("sp"))
+    with pytest.raises(spmd.SpecError, match=r"in_specs\[1\]\['w'\] matches nothing"):
+        f(torch.ones(2), {"v": torch.ones(2)})
+
+
+def test_error_in_specs_does_not_cover_argument():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a, b: a, mesh, (P("sp"),), P("sp"))
+    with pytest.raises(spmd.SpecError, match=r"does not cover args\[1\]"):
+        f(torch.ones(2), torch.ones(2))
+
+
+def test_error_unknown_axis_in_specs():
+    mesh = spmd.Mesh((2,), ("sp",))
+    with pytest.raises(spmd.SpecError, match=r"in_specs\[0\] = P\('dp'\) names axis 'dp'"):
+        spmd.shard_map(lambda a: a, mesh, (P("dp"),), P())
+
+
+def test_error_spec_longer_than_tensor():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a: a, mesh, P(None, "sp"), P())
+    with pytest.raises(spmd.SpecError, match=r"args\[0\] \(f32\[4\]\).*2 entries.*1 dims"):
+        f(torch.ones(4))
+
+
+def test_error_split_spec_on_non_tensor():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a, k: a, mesh, (P("sp"), P("sp")), P("sp"))
+    with pytest.raises(spmd.SpecError, match=r"args\[1\].*not a tensor"):
+        f(torch.ones(4), 3)
+
+
+def test_error_output_unsplit_dim_differs_between_ranks():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a: a, mesh, P("sp"), P())  # claims replicated, but shards differ
+    with pytest.raises(spmd.SpecError, match=r"dim 0 of out has size 2 on rank 1 but 3 on rank 0"):
+        f(torch.ones(5))
+
+
+def test_error_output_structure_differs_between_ranks():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a: (a,) if spmd.axis_index("sp") else [a], mesh, P("sp"), P("sp"))
+    with pytest.raises(spmd.SpecError, match=r"on rank 1 but .* on rank 0"):
+        f(torch.ones(4))
+
+
+def test_error_out_specs_not_a_prefix():
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda a: (a, a), mesh, P("sp"), (P("sp"),))
+    with pytest.raises(spmd.SpecError, match=r"out_specs does not cover out\[1\]"):
+        f(torch.ones(4))
+
+
+def test_error_bad_mesh_and_f():
+    with pytest.raises(TypeError, match="mesh must be a spmd.Mesh"):
+        spmd.shard_map(lambda a: a, "mesh", P(), P())
+    with pytest.raises(TypeError, match="f must be callable"):
+        spmd.shard_map(3, spmd.Mesh((2,), ("sp",)), P(), P())
+    with pytest.raises(spmd.SpecError, match="specs must be spmd.P"):
+        spmd.shard_map(lambda a: a, spmd.Mesh((2,), ("sp",)), ("sp",), P())
+
+
+def test_error_layout_for_other_shape():
+    mesh = spmd.Mesh((2,), ("sp",))
+    lay = spmd.Layout((6,), P("sp"), mesh)
+    with pytest.raises(spmd.SpecError, match=r"args\[0\] is f32\[4\] but its Layout is for \[6\]"):
+        spmd.shard_map(lambda a: a, mesh, lay, P("sp"))(torch.ones(4))
+
+
+def test_exception_in_body_is_reraised_with_rank_and_mesh_recovers():
+    mesh = spmd.Mesh((3,), ("sp",), timeout=10)
+
+    def body(x):
+        if spmd.axis_index("sp") == 1:
+            raise ValueError("boom")
+        return spmd.psum(x.sum(), "sp")  # the others wait here: they must be cancelled
+
+    with pytest.raises(ValueError, match="rank 1: boom"):
+        spmd.shard_map(body, mesh, P("sp"), P())(torch.ones(6))
+    # The mesh is usable again afterwards.
+    assert spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())(torch.ones(6)).item() == 6
