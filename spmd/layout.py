@@ -50,7 +50,7 @@ class Layout:
             sizes do not add up to the dim or have the wrong count.
     """
 
-    __slots__ = ("shape", "spec", "axis_names", "mesh_shape", "sizes", "_starts")
+    __slots__ = ("shape", "spec", "axis_names", "mesh_shape", "sizes", "_starts", "_table")
 
     def __init__(self, shape: Sequence[int], spec: Any, mesh: Any,
                  sizes: Mapping[int, Sequence[int]] | Sequence[Sequence[int] | None] | None = None):
@@ -104,6 +104,7 @@ class Layout:
             out.append(s)
         self.sizes: tuple[tuple[int, ...] | None, ...] = tuple(out)
         self._starts = tuple(None if s is None else _cumsum(s) for s in self.sizes)
+        self._table: list | None = None
 
     # -- queries -----------------------------------------------------------------------
 
@@ -121,6 +122,10 @@ class Layout:
     @property
     def split_dims(self) -> tuple[int, ...]:
         return tuple(d for d, s in enumerate(self.sizes) if s is not None)
+
+    def shard_key(self, rank: int) -> tuple[int, ...]:
+        """Which shard ``rank`` holds along each split dim (equal for replicas)."""
+        return self._row(rank)[3]
 
     @property
     def replicated_axes(self) -> tuple[str, ...]:
@@ -144,18 +149,33 @@ class Layout:
             idx = idx * self.mesh_shape[p] + c[p]
         return idx
 
+    def _row(self, rank: int) -> tuple:
+        """(offsets, local shape, slices, shard key) of ``rank``, computed once."""
+        if self._table is None:
+            n = math.prod(self.mesh_shape)
+            self._table = [None] * n
+        if not 0 <= rank < len(self._table):
+            self.shard_index(rank, 0)  # raises the out-of-range error
+        row = self._table[rank]
+        if row is None:
+            idx = [self.shard_index(rank, d) for d in range(self.ndim)]
+            off = tuple(0 if st is None else st[i] for st, i in zip(self._starts, idx))
+            shp = tuple(n if s is None else s[i] for n, s, i in zip(self.shape, self.sizes, idx))
+            key = tuple(idx[d] for d in self.split_dims)
+            row = self._table[rank] = (off, shp, tuple(slice(o, o + k) for o, k in zip(off, shp)),
+                                       key)
+        return row
+
     def offsets(self, rank: int) -> tuple[int, ...]:
         """Global index of the first element of ``rank``'s shard along every dim."""
-        return tuple(0 if st is None else st[self.shard_index(rank, d)]
-                     for d, st in enumerate(self._starts))
+        return self._row(rank)[0]
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
-        return tuple(n if s is None else s[self.shard_index(rank, d)]
-                     for d, (n, s) in enumerate(zip(self.shape, self.sizes)))
+        return self._row(rank)[1]
 
     def slices(self, rank: int) -> tuple[slice, ...]:
         """``rank``'s shard as slices of the global tensor."""
-        return tuple(slice(o, o + n) for o, n in zip(self.offsets(rank), self.local_shape(rank)))
+        return self._row(rank)[2]
 
     def shard(self, x: torch.Tensor, rank: int) -> torch.Tensor:
         """Cut ``rank``'s shard out of the global tensor ``x`` (a view, no copy)."""
@@ -163,10 +183,10 @@ class Layout:
             raise SpecError(
                 f"the tensor is {shape_str(x.shape)} but the layout is for "
                 f"{shape_str(self.shape)}")
+        off, shp = self._row(rank)[:2]
         out = x
         for d in self.split_dims:
-            o, n = self.offsets(rank)[d], self.local_shape(rank)[d]
-            out = out.narrow(d, o, n)
+            out = out.narrow(d, off[d], shp[d])
         return out
 
     def size_check(self, x_shape: Sequence[int], rank: int, what: str = "x") -> None:

@@ -114,6 +114,8 @@ class _ShardMap:
         self.in_specs, self.out_specs = in_specs, out_specs
         self.check_rep, self.params_fn = check_rep, params_fn
         self._in_cache: dict = {}
+        self._out_cache: dict = {}
+        self._out_spec_cache: dict = {}
 
     # -- inputs ---------------------------------------------------------------------------
 
@@ -149,18 +151,25 @@ class _ShardMap:
                 if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
         per_rank = in_rank_of(self.mesh)
 
+        detached = [x.detach() if lay is not None else x for x, lay in zip(leaves, layouts)]
+        diff_set = set(diff)
+
         def run_rank(rank: int):
             local_in = []
-            loc = list(leaves)
-            for i, (x, lay) in enumerate(zip(leaves, layouts)):
+            loc = list(detached)
+            for i, lay in enumerate(layouts):
                 if lay is not None:
-                    t = lay.shard(x.detach(), rank)
-                    if i in diff:
+                    t = lay.shard(detached[i], rank)
+                    if i in diff_set:
                         t = t.requires_grad_()
                         local_in.append(t)
                     loc[i] = t
-            with torch.set_grad_enabled(grad_on), collect_anchors() as anchors:
-                out = self.f(*optree.tree_unflatten(treedef, loc))
+            args_local = optree.tree_unflatten(treedef, loc)
+            if not grad_on:  # rank threads start with grad mode on
+                with torch.no_grad():
+                    return self.f(*args_local), local_in, []
+            with collect_anchors() as anchors:
+                out = self.f(*args_local)
             return out, local_in, anchors
 
         if per_rank:
@@ -180,8 +189,13 @@ class _ShardMap:
                 raise SpecError(f"shard_map: f returned {outs[r][1]} on rank {r} but "
                                 f"{out_def} on rank {ranks[0]}; every rank must return the "
                                 f"same structure")
-        out_specs = _tree.match_specs(self.out_specs, results[ranks[0]][0], "out_specs", "out")
-        out_paths = optree.tree_paths(results[ranks[0]][0], none_is_leaf=True, namespace="spmd")
+        hit = self._out_spec_cache.get(out_def)
+        if hit is None:
+            tree = results[ranks[0]][0]
+            hit = self._out_spec_cache[out_def] = (
+                _tree.match_specs(self.out_specs, tree, "out_specs", "out"),
+                optree.tree_paths(tree, none_is_leaf=True, namespace="spmd"))
+        out_specs, out_paths = hit
         state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
                        [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
         state.anchors = [results[r][2] for r in ranks]
@@ -225,8 +239,11 @@ class _State:
 
     @property
     def any_out_grad(self) -> bool:
-        return any(isinstance(t, torch.Tensor) and t.requires_grad
-                   for outs in self.local_outs for t in outs)
+        for outs in self.local_outs:
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return True
+        return False
 
     # -- forward assembly -----------------------------------------------------------------
 
@@ -251,7 +268,8 @@ class _State:
                 g, lay = _gather_global(vals[0], spec, mesh, self.ranks[0], where,
                                         self.sm.check_rep)
             else:
-                g, lay = _assemble_threads(vals, spec, mesh, where, self.sm.check_rep)
+                g, lay = _assemble_threads(vals, spec, mesh, where, self.sm.check_rep,
+                                           self.sm._out_cache)
             self.out_layouts.append(lay)
             out.append(g)
         return out
@@ -400,32 +418,53 @@ def _out_layout(shapes: dict[int, tuple], spec: P, mesh: Mesh, where: str) -> La
 
 
 def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
-                      check_rep: bool) -> tuple[torch.Tensor, Layout]:
-    lay = _out_layout({r: tuple(v.shape) for r, v in enumerate(vals)}, spec, mesh, where)
-    owners = _owners(lay, mesh)
+                      check_rep: bool, cache: dict) -> tuple[torch.Tensor, Layout]:
+    shapes = tuple(tuple(v.shape) for v in vals)
+    hit = cache.get((shapes, spec))
+    if hit is None:
+        lay = _out_layout(dict(enumerate(shapes)), spec, mesh, where)
+        owners = _owners(lay, mesh)
+        hit = cache[(shapes, spec)] = (lay, owners, _cat_plan(lay, owners))
+        if len(cache) > 256:
+            cache.pop(next(iter(cache)))
+    lay, owners, plan = hit
     if check_rep:
-        for r, v in enumerate(vals):
-            o = owners[_shard_key(lay, r)]
+        for r in range(len(vals)):
+            o = owners[lay.shard_key(r)]
             if r != o:
-                _compare_rep(vals[o], v, o, r, where, lay)
-    v0 = vals[0]
-    if len(owners) == 1:
-        return v0.detach().clone(), lay
-    g = torch.empty(lay.shape, dtype=v0.dtype, device=v0.device)
-    for r in owners.values():
-        g[lay.slices(r)] = vals[r].detach()
-    return g, lay
+                _compare_rep(vals[o], vals[r], o, r, where, lay)
+    with torch.no_grad():
+        return _run_cat_plan(plan, vals), lay
 
 
-def _shard_key(lay: Layout, rank: int) -> tuple[int, ...]:
-    return tuple(lay.shard_index(rank, d) for d in lay.split_dims)
+def _cat_plan(lay: Layout, owners: dict[tuple, int]) -> Any:
+    """Nested (dim, [children]) concatenations, leaves the ranks owning each shard."""
+    dims = lay.split_dims
+
+    def build(prefix: tuple, k: int) -> Any:
+        if k == len(dims):
+            return owners[prefix]
+        nxt = sorted({key[k] for key in owners if key[:k] == prefix})
+        return (dims[k], [build(prefix + (c,), k + 1) for c in nxt])
+
+    return build((), 0)
+
+
+def _run_cat_plan(plan: Any, vals: list[torch.Tensor]) -> torch.Tensor:
+    if isinstance(plan, int):
+        return vals[plan].detach().clone()
+    d, kids = plan
+    if len(kids) == 1:
+        return _run_cat_plan(kids[0], vals)
+    return torch.cat([vals[k].detach() if isinstance(k, int) else _run_cat_plan(k, vals)
+                      for k in kids], d)
 
 
 def _owners(lay: Layout, mesh: Mesh) -> dict[tuple, int]:
     """For each shard, the lowest rank holding it."""
     owners: dict[tuple, int] = {}
     for r in range(mesh.size):
-        owners.setdefault(_shard_key(lay, r), r)
+        owners.setdefault(lay.shard_key(r), r)
     return owners
 
 
