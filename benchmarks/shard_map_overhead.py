@@ -55,8 +55,8 @@ def main() -> None:
     for n in [int(r) for r in a.ranks.split(",")]:
         mesh = spmd.Mesh((n,), ("sp",))
         f = spmd.shard_map(body, mesh, P("sp"), P("sp"))
-        fwd = per_call(lambda: f(x), a.calls, a.repeats)
-        both = per_call(lambda: f(xg).sum().backward(), max(1, a.calls // 2), a.repeats)
+        fwd = per_call(lambda f=f: f(x), a.calls, a.repeats)
+        both = per_call(lambda f=f: f(xg).sum().backward(), max(1, a.calls // 2), a.repeats)
         print(f"| {n} | {fwd:.1f} | {fwd - one:.1f} | {both:.1f} | {both - one_bwd:.1f} | "
               f"{'yes' if fwd - one <= 100 else 'no'} |")
 

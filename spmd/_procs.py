@@ -330,6 +330,8 @@ def _worker(rank: int, world: int, port: int, timeout: float, conn, parent_pid: 
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
+        # As torchrun does: where the store is, for the comm layer's post-mortems.
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False,
                               timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,

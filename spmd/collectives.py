@@ -181,8 +181,11 @@ def _all_gather(x, axes, rc, axis, tiled, sizes):
 
 
 def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
-    parts = rc.mesh.comm.all_gather(x if tiled else x.unsqueeze(axis), rc.mesh.group(axes, rc.rank),
-                                    axis, name="all_gather", sizes=sizes)
+    group = rc.mesh.group(axes, rc.rank)
+    if not tiled:
+        sizes = (1,) * group.size  # known: no metadata exchange needed
+    parts = rc.mesh.comm.all_gather(x if tiled else x.unsqueeze(axis), group, axis,
+                                    name="all_gather", sizes=sizes)
     got = tuple(p.shape[axis] for p in parts)
     return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
 

@@ -174,7 +174,8 @@ class _ShardMap:
 
         if per_rank:
             rank = self.mesh.rank
-            results = {rank: run_rank(rank)}
+            with RankContext(self.mesh, rank):
+                results = {rank: run_rank(rank)}
             ranks = [rank]
         else:
             if self.mesh.backend != "threads":

@@ -12,8 +12,8 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   refuses, or aborts the process on, size mismatches). Metadata (shapes, dtypes, byte
   counts) travels as int64 tensors, never pickled objects.
 - Every wait is bounded by ``mesh.timeout``; a timeout becomes ``CommTimeout`` naming the
-  op, the axes, the rank and, where the store can tell (a background thread publishes
-  each process's per-group call counts there), the ranks that did not arrive. After a
+  op, the axes, the rank and, where the job's store can tell (the ranks that did arrive
+  mark it there on timing out), the ranks that did not arrive. After a
   timeout the process group is unusable (the transfer is still pending): tear it down.
 - ``SPMD_VALIDATE=1`` (or ``comm.validate = True``) compares op, arguments, dtypes and
   shapes across ranks before each collective, at the cost of one more small collective,
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import threading
 import time
 import zlib
 
@@ -163,7 +162,7 @@ class TorchComm:
         if "timed out" in low or "timeout" in low:
             if peers is None:
                 peers = [r for r in group.ranks if r != group.rank]
-            missing = self._progress.missing(rec.key, seq + 1, peers)
+            missing = self._progress.missing(rec.key, seq, peers, self.mesh.timeout)
             who = (f"ranks {list(missing)} of the group {list(group.ranks)} did not arrive"
                    if missing else f"could not tell which ranks of the group "
                    f"{list(group.ranks)} did not arrive")
@@ -425,27 +424,21 @@ class TorchComm:
 
 
 class _Progress:
-    """Per-process call counts per group, published to the store by a daemon thread.
+    """Per-process call counts per group, and the post-mortem of a timeout.
 
-    On a timeout, a rank compares its own count for the group with its peers' published
-    counts: a peer whose count is lower never entered the collective.
+    Nothing is published while things work. On a timeout, each rank that did arrive
+    marks ``(group, call number)`` in the job's store (a ``TCPStore`` client to
+    ``MASTER_ADDR:MASTER_PORT``, as set by torchrun and spmd.launch), waits a short
+    grace for the other arrivals to time out and mark too, and names the members that
+    never marked: they did not arrive.
     """
 
     _instance: _Progress | None = None
-    interval = 0.5
 
     def __init__(self):
         self.counts: dict[int, int] = {}
-        self.store = None
-        self.rank = -1
-        self._last = None
-        try:
-            self.store = dist.distributed_c10d._get_default_store()
-            self.rank = dist.get_rank()
-        except Exception:  # noqa: BLE001 - best effort: no store, no missing-rank names
-            self.store = None
-        if self.store is not None:
-            threading.Thread(target=self._loop, daemon=True, name="spmd-progress").start()
+        self.rank = _rank_or(-1)
+        self._store = None
 
     @classmethod
     def get(cls) -> _Progress:
@@ -454,38 +447,26 @@ class _Progress:
             inst = cls._instance = cls()
         return inst
 
-    def _loop(self) -> None:
-        while True:
-            time.sleep(self.interval)
-            try:
-                self.publish()
-            except Exception:  # noqa: BLE001 - the store went away: stop publishing
-                return
+    def _connect(self):
+        if self._store is None:
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if not addr or not port:
+                return None
+            self._store = dist.TCPStore(addr, int(port), is_master=False,
+                                        timeout=datetime.timedelta(seconds=5))
+        return self._store
 
-    def publish(self) -> None:
-        s = ",".join(f"{k}:{v}" for k, v in list(self.counts.items()))
-        if s != self._last:
-            self.store.set(f"spmd/progress/{self.rank}", s)
-            self._last = s
-
-    def missing(self, key: int, mine: int, peers) -> tuple[int, ...]:
-        """Peers whose count for group ``key`` is below ``mine`` (empty if unknown)."""
-        if self.store is None:
-            return ()
+    def missing(self, key: int, seq: int, peers, timeout: float) -> tuple[int, ...]:
+        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown)."""
         try:
-            self.publish()
-            time.sleep(self.interval + 0.3)  # let peers that did arrive publish it
-            out = []
-            for r in peers:
-                k = f"spmd/progress/{r}"
-                if not self.store.check([k]):
-                    out.append(r)
-                    continue
-                counts = dict(kv.split(":") for kv in self.store.get(k).decode().split(",") if kv)
-                if int(counts.get(str(key), 0)) < mine:
-                    out.append(r)
-            return tuple(out)
-        except Exception:  # noqa: BLE001 - best effort
+            store = self._connect()
+            if store is None:
+                return ()
+            store.set(f"spmd/arrived/{key}/{seq}/{self.rank}", "1")
+            # Ranks that arrived later time out later; give them a moment to mark.
+            time.sleep(min(5.0, max(1.0, 0.1 * timeout)))
+            return tuple(r for r in peers if not store.check([f"spmd/arrived/{key}/{seq}/{r}"]))
+        except Exception:  # noqa: BLE001 - best effort: then the message says "could not tell"
             return ()
 
 

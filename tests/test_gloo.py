@@ -1,0 +1,572 @@
+"""The differentiable collectives and shard_map on real gloo processes (world 2 and 4).
+
+Every per-rank program here runs on the session pools (``gloo2``, ``gloo4`` in
+conftest.py) and is checked twice:
+
+* against a single-device float64 reference computed in this process with plain torch
+  ops (the approach of tests/test_collectives.py and tests/test_shard_map.py), and
+* for the collectives, against the very same per-rank program run by
+  ``spmd.launch(..., backend="threads")``, which tests/test_collectives.py checks against
+  float64 references with many more examples.
+
+Tolerances. Collectives: reductions (psum, pmean, pmax/pmin tie sharing, the psum in
+the backward of all_gather / psum_scatter / broadcast) only reorder float64 additions
+(gloo's ring may add in another order than the reference), so rtol = atol = 1e-12; ops that
+only move data (all_gather, ppermute, all_to_all, broadcast values; ppermute and
+all_to_all gradients) must match exactly. shard_map: the sharded run adds partial sums
+per shard and then over ranks, and the gradient all-reduce adds per-rank partial
+gradients, so results differ from one device by a few ulps of float64: rtol = atol = 1e-10
+(as tests/test_shard_map.py).
+
+The machine running CI has 2 cores (4 processes are oversubscribed): few, batched runs.
+Functions run by workers are module-level so that spawned processes can import them.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import spmd
+from spmd import P
+
+pytestmark = pytest.mark.gloo
+
+F64 = torch.float64
+TOL_RED = dict(rtol=1e-12, atol=1e-12)
+TOL_SM = dict(rtol=1e-10, atol=1e-10)
+
+
+# =========================================================================================
+# 1. Every collective, value and gradient
+# =========================================================================================
+
+def _balanced(length, n):
+    return [len(c) for c in np.array_split(np.arange(length), n)]
+
+
+def _gen(cfg, j, r, salt):
+    return torch.Generator().manual_seed(cfg["seed"] * 100_003 + 1009 * j + 31 * r + salt)
+
+
+def _inputs(cfg, j, r, k, n):
+    """Rank r's float64 inputs (group index k of n) for the j-th axes; the same in every
+    process (a seeded generator per rank)."""
+    g = _gen(cfg, j, r, 0)
+
+    def randn(*s):
+        return torch.randn(s, generator=g, dtype=F64)
+
+    def ints(*s):  # three values: ties across ranks are common
+        return torch.randint(-1, 2, s, generator=g).to(F64)
+
+    ag, ps, sp, cl = (cfg[key][:n] for key in ("ag", "ps", "a2a_split", "a2a_clen"))
+    own = cfg["a2a_own"][k][:n]
+    return {
+        "psum": randn(2, 3),
+        "pmean": randn(3),
+        "pmax": ints(2, 3),
+        "pmin": ints(3, 2),
+        "all_gather": randn(2, 3),                      # stacked at a new dim 1
+        "all_gather_tiled": randn(ag[k], 2),            # uneven along dim 0, zeros included
+        "all_gather_tiled_last": randn(2, ag[-1 - k]),  # uneven along dim -1, sizes passed
+        "psum_scatter": randn(3, n),                    # untiled, scatter_dimension=-1
+        "psum_scatter_tiled": randn(2, sum(ps)),        # explicit uneven sizes on dim 1
+        "psum_scatter_balanced": randn(7, 2),           # 7 rows by the balanced rule
+        "ppermute_partial": randn(3),
+        "ppermute_cyclic": randn(2, 2),
+        "all_to_all": randn(n, 2),                      # untiled: split 0, concat 1
+        "all_to_all_tiled": randn(sum(sp), cl[k]),      # split 0 (uneven), concat 1 (uneven)
+        "all_to_all_tiled_same": randn(sum(own), 2),    # split = concat = 0, own sizes
+        "broadcast": randn(3),
+    }
+
+
+def _partial(n):  # the halo shift: index 0 receives nothing, index n-1 sends nothing
+    return [(i, i + 1) for i in range(n - 1)]
+
+
+def _cyclic(n):
+    return [(i, (i - 1) % n) for i in range(n)]
+
+
+# name -> per-rank program (x, axes, k, n, cfg) -> y; exact value?; exact gradient?
+OPS = {
+    "psum": (lambda x, ax, k, n, c: spmd.psum(x, ax), False, False),
+    "pmean": (lambda x, ax, k, n, c: spmd.pmean(x, ax), False, False),
+    "pmax": (lambda x, ax, k, n, c: spmd.pmax(x, ax), True, False),
+    "pmin": (lambda x, ax, k, n, c: spmd.pmin(x, ax), True, False),
+    "all_gather": (lambda x, ax, k, n, c: spmd.all_gather(x, ax, axis=1), True, False),
+    "all_gather_tiled": (lambda x, ax, k, n, c: spmd.all_gather(x, ax, tiled=True),
+                         True, False),
+    "all_gather_tiled_last": (
+        lambda x, ax, k, n, c: spmd.all_gather(x, ax, axis=-1, tiled=True,
+                                               sizes=c["ag"][:n][::-1]), True, False),
+    "psum_scatter": (lambda x, ax, k, n, c: spmd.psum_scatter(x, ax, scatter_dimension=-1),
+                     False, True),
+    "psum_scatter_tiled": (
+        lambda x, ax, k, n, c: spmd.psum_scatter(x, ax, scatter_dimension=1, tiled=True,
+                                                 sizes=c["ps"][:n]), False, True),
+    "psum_scatter_balanced": (lambda x, ax, k, n, c: spmd.psum_scatter(x, ax, tiled=True),
+                              False, True),
+    "ppermute_partial": (lambda x, ax, k, n, c: spmd.ppermute(x, ax, _partial(n)), True, True),
+    "ppermute_cyclic": (lambda x, ax, k, n, c: spmd.ppermute(x, ax, _cyclic(n)), True, True),
+    "all_to_all": (lambda x, ax, k, n, c: spmd.all_to_all(x, ax, 0, 1), True, True),
+    "all_to_all_tiled": (
+        lambda x, ax, k, n, c: spmd.all_to_all(x, ax, 0, 1, tiled=True,
+                                               split_sizes=c["a2a_split"][:n]), True, True),
+    "all_to_all_tiled_same": (
+        lambda x, ax, k, n, c: spmd.all_to_all(x, ax, 0, 0, tiled=True,
+                                               split_sizes=c["a2a_own"][k][:n]), True, True),
+    "broadcast": (lambda x, ax, k, n, c: spmd.broadcast(x, ax, n - 1), True, False),
+}
+
+
+def _sum(xs):
+    s = xs[0]
+    for x in xs[1:]:
+        s = s + x
+    return s
+
+
+def _reference(name, xs, cfg):
+    """Single-device outputs of one group, in group order, from its members' inputs."""
+    n = len(xs)
+    if name == "psum":
+        return [_sum(xs)] * n
+    if name == "pmean":
+        return [_sum(xs) / n] * n
+    if name in ("pmax", "pmin"):
+        red = torch.amax if name == "pmax" else torch.amin  # ties share the gradient
+        return [red(torch.stack(xs), dim=0)] * n
+    if name == "all_gather":
+        return [torch.stack(xs, dim=1)] * n
+    if name == "all_gather_tiled":
+        return [torch.cat(xs, dim=0)] * n
+    if name == "all_gather_tiled_last":
+        return [torch.cat(xs, dim=-1)] * n
+    if name == "psum_scatter":
+        return list(_sum(xs).unbind(-1))
+    if name == "psum_scatter_tiled":
+        return list(_sum(xs).split(cfg["ps"][:n], 1))
+    if name == "psum_scatter_balanced":
+        return list(_sum(xs).split(_balanced(7, n), 0))
+    if name.startswith("ppermute"):
+        perm = _partial(n) if name == "ppermute_partial" else _cyclic(n)
+        ys = [torch.zeros_like(x) for x in xs]  # no source: zeros
+        for s, d in perm:
+            ys[d] = xs[s]
+        return ys
+    if name == "all_to_all":
+        return [torch.stack([x.select(0, r) for x in xs], dim=1) for r in range(n)]
+    if name == "all_to_all_tiled":
+        sizes = cfg["a2a_split"][:n]
+        return [torch.cat([x.split(sizes, 0)[r] for x in xs], dim=1) for r in range(n)]
+    if name == "all_to_all_tiled_same":
+        return [torch.cat([x.split(cfg["a2a_own"][j][:n], 0)[r] for j, x in enumerate(xs)])
+                for r in range(n)]
+    if name == "broadcast":
+        return [xs[n - 1]] * n
+    raise AssertionError(name)
+
+
+def _cotangent(cfg, j, r, i, shape):
+    return torch.randn(shape, generator=_gen(cfg, j, r, 1 + i), dtype=F64)
+
+
+def _collectives(mesh, axes_list, cfg):
+    """Per-rank: every collective over each axes of ``axes_list``; per axes, the rank's
+    (axis_index, axis_size) and, per op, its output and its input's gradient from the
+    local loss ``(y * w).sum()`` (one backward per op)."""
+    r = mesh.rank
+    res = []
+    for j, axes in enumerate(axes_list):
+        k, n = spmd.axis_index(axes), spmd.axis_size(axes)
+        xs = _inputs(cfg, j, r, k, n)
+        ops = {}
+        for i, (name, (fn, _, _)) in enumerate(OPS.items()):
+            x = xs[name].requires_grad_()
+            y = fn(x, axes, k, n, cfg)
+            (y * _cotangent(cfg, j, r, i, y.shape)).sum().backward()
+            ops[name] = (y.detach(), x.grad)
+        res.append(((k, n), ops))
+    return res
+
+
+def _groups_of(shape, names, axes):
+    """Groups of global ranks meeting over ``axes``, each ordered by the linearised index
+    over ``axes`` (first axis major). Independent of spmd.Mesh."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    pos = [names.index(a) for a in axes]
+    rest = [p for p in range(len(shape)) if p not in pos]
+    grid = np.arange(math.prod(shape)).reshape(shape).transpose(rest + pos)
+    n = math.prod(shape[p] for p in pos)
+    return [tuple(int(v) for v in row) for row in grid.reshape(-1, n)]
+
+
+def _close(got, want, exact, what):
+    assert got is not None, f"{what}: missing"
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
+    if exact:
+        assert torch.equal(got, want), (what, got, want)
+    else:
+        torch.testing.assert_close(got, want, **TOL_RED, msg=what)
+
+
+def _check_collectives(got, shape, names, axes_list, cfg):
+    size = math.prod(shape)
+    threads = spmd.launch(_collectives, shape, names, backend="threads",
+                          args=(axes_list, cfg), timeout=30)
+    for j, axes in enumerate(axes_list):
+        groups = _groups_of(shape, names, axes)
+        n = len(groups[0])
+        where = {r: k for g in groups for k, r in enumerate(g)}
+        for r in range(size):
+            assert got[r][j][0] == (where[r], n), (axes, r, got[r][j][0])
+            assert threads[r][j][0] == (where[r], n)
+        xs = {r: _inputs(cfg, j, r, where[r], n) for r in range(size)}
+        for i, (name, (_, exact_v, exact_g)) in enumerate(OPS.items()):
+            leaves = {r: xs[r][name].clone().requires_grad_() for r in range(size)}
+            ys = {}
+            for g in groups:
+                ys.update(zip(g, _reference(name, [leaves[r] for r in g], cfg)))
+            loss = sum((ys[r] * _cotangent(cfg, j, r, i, ys[r].shape)).sum()
+                       for r in range(size))
+            grads = torch.autograd.grad(loss, [leaves[r] for r in range(size)],
+                                        allow_unused=True, materialize_grads=True)
+            for r in range(size):
+                what = f"{name} over {axes!r} on rank {r}"
+                y, gx = got[r][j][1][name]
+                ty, tgx = threads[r][j][1][name]
+                _close(y, ys[r].detach(), exact_v, "value of " + what)
+                _close(gx, grads[r], exact_g, "gradient of " + what)
+                # the same per-rank program on the threads backend
+                _close(y, ty, exact_v, "value vs threads of " + what)
+                _close(gx, tgx, exact_g, "gradient vs threads of " + what)
+
+
+sizes4 = st.lists(st.integers(0, 3), min_size=4, max_size=4)
+configs = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**20),
+    "ag": sizes4, "ps": sizes4, "a2a_split": sizes4,
+    "a2a_clen": st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    "a2a_own": st.lists(st.lists(st.integers(0, 2), min_size=4, max_size=4),
+                        min_size=4, max_size=4),
+})
+# Zero-size blocks on some ranks (and an empty receive) for every uneven op.
+ZEROS = {"seed": 7, "ag": [0, 3, 1, 0], "ps": [2, 0, 1, 0], "a2a_split": [1, 0, 2, 0],
+         "a2a_clen": [2, 0, 1, 1], "a2a_own": [[0, 2, 1, 0], [2, 0, 0, 1], [1, 1, 0, 2],
+                                               [0, 0, 0, 0]]}
+
+
+@settings(max_examples=2)
+@given(cfg=configs)
+@example(cfg=ZEROS)
+def test_collectives_world2(gloo2, cfg):
+    axes_list = ["sp", ("sp",)]
+    got = gloo2.run(_collectives, (2,), ("sp",), args=(axes_list, cfg))
+    _check_collectives(got, (2,), ("sp",), axes_list, cfg)
+
+
+@settings(max_examples=1)
+@given(cfg=configs)
+@example(cfg=ZEROS)
+def test_collectives_world4(gloo4, cfg):
+    got = gloo4.run(_collectives, (4,), ("sp",), args=(["sp"], cfg))
+    _check_collectives(got, (4,), ("sp",), ["sp"], cfg)
+
+
+@settings(max_examples=1)
+@given(cfg=configs)
+@example(cfg=ZEROS)
+def test_collectives_2d_mesh(gloo4, cfg):
+    """A (2, 2) mesh: over each axis and over ("sp", "dp"), whose group order (0, 2, 1, 3)
+    differs from the global rank order."""
+    shape, names = (2, 2), ("dp", "sp")
+    axes_list = ["sp", "dp", ("sp", "dp")]
+    got = gloo4.run(_collectives, shape, names, args=(axes_list, cfg))
+    _check_collectives(got, shape, names, axes_list, cfg)
+
+
+# =========================================================================================
+# 2. shard_map: every process calls it with the same global tensors
+# =========================================================================================
+
+def _sm_case(f_local, f_global, mesh, in_specs, out_specs, args, params=(), **kw):
+    """One shard_map call and the single-device run in this process: outputs, the
+    gradients of every floating argument and of ``params`` (copied for the reference),
+    from a random linear functional of the outputs."""
+    args_a = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    args_b = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
+    out = spmd.shard_map(f_local, mesh, in_specs, out_specs, **kw)(*args_a)
+    ref = f_global(*args_b)
+    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(r.shape, generator=g, dtype=F64) for r in refs]
+    sum((o * w).sum() for o, w in zip(outs, ws)).backward()
+    sum((r * w).sum() for r, w in zip(refs, ws)).backward()
+    return ([o.detach() for o in outs] + [a.grad for a in args_a],
+            [r.detach() for r in refs] + [b.grad for b in args_b])
+
+
+def _with_params(mod, f_local, f_global, mesh, in_specs, out_specs, args, **kw):
+    """Like _sm_case for a body closing over ``mod`` (a copy runs the reference); only
+    the module's parameters require grad; returns its parameter gradients too."""
+    ref_mod = copy.deepcopy(mod)
+    got, want = _sm_case(lambda *a: f_local(mod, *a), lambda *a: f_global(ref_mod, *a),
+                         mesh, in_specs, out_specs, args, **kw)
+    return (got + [p.grad for p in mod.parameters()],
+            want + [p.grad for p in ref_mod.parameters()])
+
+
+def _heat(u):  # one explicit diffusion step; u carries one halo row above and below
+    core = u[1:-1]
+    return core + 0.2 * (u[:-2] + u[2:] + core.roll(1, 1) + core.roll(-1, 1) - 4 * core)
+
+
+def _shard_map_1d(mesh, rows, seed):
+    """Per-rank: shard_map cases on a 1-d mesh; {case: (got, single-device)}."""
+    n = mesh.size
+    torch.manual_seed(seed)  # every process builds the same global tensors
+    x = torch.randn(rows, 3, dtype=F64)
+    nograd = x.detach()  # no input requires grad: only parameters do
+    res = {}
+    # (a) psum to a replicated output, uneven shards
+    res["psum"] = _sm_case(lambda x: spmd.psum((x ** 2).sum(0), "sp"),
+                           lambda x: (x ** 2).sum(0), mesh, P("sp"), P(), [x])
+    # (b) all_gather of uneven shards inside the body
+    res["all_gather"] = _sm_case(
+        lambda x: spmd.all_gather(torch.sin(x), "sp", tiled=True).cumsum(0),
+        lambda x: torch.sin(x).cumsum(0), mesh, P("sp"), P(), [x])
+
+    # (c) a halo stencil: two diffusion steps, halo rows by ppermute (zeros at the ends)
+    def local(u):
+        for _ in range(2):
+            top = spmd.ppermute(u[-1:], "sp", [(i, i + 1) for i in range(n - 1)])
+            bottom = spmd.ppermute(u[:1], "sp", [(i + 1, i) for i in range(n - 1)])
+            u = _heat(torch.cat([top, u, bottom]))
+        return u, spmd.psum((u ** 2).sum(), "sp")
+
+    def glob(u):
+        for _ in range(2):
+            u = _heat(torch.nn.functional.pad(u, (0, 0, 1, 1)))
+        return u, (u ** 2).sum()
+
+    res["halo"] = _sm_case(local, glob, mesh, P("sp"), (P("sp"), P()), [x])
+
+    # (d) a body closing over nn.Linear: replicated and sharded outputs, found in the
+    # graph or named by params=
+    torch.manual_seed(seed + 1)
+    lin = torch.nn.Linear(3, 2).double()
+    res["linear_replicated"] = _with_params(
+        lin, lambda m, x: spmd.psum(torch.tanh(m(x)).sum(), "sp"),
+        lambda m, x: torch.tanh(m(x)).sum(), mesh, P("sp"), P(), [nograd])
+    lin = torch.nn.Linear(3, 2).double()
+    res["linear_sharded"] = _with_params(lin, lambda m, x: torch.tanh(m(x)) ** 2,
+                                         lambda m, x: torch.tanh(m(x)) ** 2,
+                                         mesh, P("sp"), P("sp"), [nograd])
+    lin = torch.nn.Linear(3, 2).double()
+    res["linear_params"] = _with_params(lin, lambda m, x: m(x).cos(), lambda m, x: m(x).cos(),
+                                        mesh, P("sp"), P("sp"), [x],
+                                        params=list(lin.parameters()))
+
+    # (f) an nn.Module as f: input and parameter gradients
+    mod = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh()).double()
+    ref = copy.deepcopy(mod)
+    got, want = _sm_case(mod, ref, mesh, P("sp"), P("sp"), [x])
+    res["module_as_f"] = (got + [p.grad for p in mod.parameters()],
+                          want + [p.grad for p in ref.parameters()])
+    return res
+
+
+def _shard_map_2d(mesh, rows, seed):
+    """Per-rank: shard_map cases on a ("dp", "sp") = (2, 2) mesh."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, 5, dtype=F64)
+    b = torch.randn(5, dtype=F64)
+    c = torch.randn(1, dtype=F64)
+    res = {}
+
+    # rows over dp, columns over sp; b split over sp (gradient summed over dp); c
+    # replicated (gradient summed over the whole mesh); a psum over each axis and over
+    # ("sp", "dp")
+    def local(x, b, c):
+        y = torch.tanh(x * b + c)
+        norms = spmd.psum((y ** 2).sum(1), "sp").sqrt()
+        cols = spmd.psum(y.sum(0), "dp")
+        return norms, cols, spmd.psum(y.sum(), ("sp", "dp")), y
+
+    def glob(x, b, c):
+        y = torch.tanh(x * b + c)
+        return (y ** 2).sum(1).sqrt(), y.sum(0), y.sum(), y
+
+    res["dp_sp"] = _sm_case(local, glob, mesh, (P("dp", "sp"), P("sp"), P()),
+                            (P("dp"), P("sp"), P(), P("dp", "sp")), [x, b, c])
+    # rows over the tuple ("sp", "dp") (group order differs from rank order)
+    ax = ("sp", "dp")
+    res["tuple"] = _sm_case(
+        lambda x: (spmd.all_gather(x * 2, ax, tiled=True), spmd.psum(x.sum(0), ax) ** 2,
+                   spmd.pmax(x.amax(0), ax)),
+        lambda x: (x * 2, x.sum(0) ** 2, x.amax(0)), mesh, P(ax), (P(), P(), P()), [x])
+    # parameters used on a batch split over dp, replicated over sp: the loss is replicated
+    # over both axes and the parameter gradient is summed over the whole mesh
+    torch.manual_seed(seed + 1)
+    lin = torch.nn.Linear(5, 3).double()
+    res["linear_dp"] = _with_params(lin, lambda m, x: spmd.psum(torch.tanh(m(x)).sum(), "dp"),
+                                    lambda m, x: torch.tanh(m(x)).sum(), mesh, P("dp"), P(),
+                                    [x.detach()])
+    # an nn.Module as f over dp, its output split over dp
+    mod = torch.nn.Linear(5, 2).double()
+    ref = copy.deepcopy(mod)
+    got, want = _sm_case(mod, ref, mesh, P("dp"), P("dp"), [x])
+    res["module_as_f"] = (got + [p.grad for p in mod.parameters()],
+                          want + [p.grad for p in ref.parameters()])
+    return res
+
+
+def _check_shard_map(got):
+    world = len(got)
+    for case in got[0]:
+        for r in range(world):
+            mine, want = got[r][case]
+            assert len(mine) == len(want)
+            for i, (a, b) in enumerate(zip(mine, want)):
+                what = f"{case}[{i}] on rank {r}"
+                if b is None:
+                    assert a is None, what
+                    continue
+                assert a is not None, f"{what}: no gradient"
+                assert a.shape == b.shape and a.dtype == b.dtype, (what, a, b)
+                torch.testing.assert_close(a, b, **TOL_SM, msg=what)
+                # every process holds the same global outputs and gradients
+                assert torch.equal(a, got[0][case][0][i]), what
+
+
+@pytest.mark.parametrize("world,rows", [(2, 7), (4, 10)])
+def test_shard_map_1d(request, world, rows):
+    pool = request.getfixturevalue(f"gloo{world}")
+    got = pool.run(_shard_map_1d, (world,), ("sp",), args=(rows, 3))
+    _check_shard_map(got)
+
+
+def test_shard_map_2d_mesh(gloo4):
+    got = gloo4.run(_shard_map_2d, (2, 2), ("dp", "sp"), args=(7, 5))
+    assert set(got[0]) == {"dp_sp", "tuple", "linear_dp", "module_as_f"}
+    _check_shard_map(got)
+
+
+# =========================================================================================
+# 3. Failures: no hang, a clear error, and the pool works afterwards
+# =========================================================================================
+
+def _psum_rank_1_never_arrives(mesh):
+    if mesh.rank == 1:
+        time.sleep(60)  # ended by the pool
+    return spmd.psum(torch.ones(2), "sp")
+
+
+def _psum_backward_rank_1_never_arrives(mesh):
+    x = torch.ones(2, requires_grad=True)
+    y = spmd.psum(x * 2, "sp")
+    if mesh.rank == 1:
+        return None  # skips the backward: rank 0's backward psum waits for it
+    y.sum().backward()
+    return x.grad
+
+
+def _raises_in_body_on_1(mesh):
+    def body(x):
+        if spmd.axis_index("sp") == 1:
+            raise ValueError("boom in the body")
+        return spmd.psum(x.sum(), "sp")
+
+    x = torch.arange(5.0, dtype=F64, requires_grad=True)
+    return spmd.shard_map(body, mesh, P("sp"), P())(x)
+
+
+def _sum_of_squares(mesh):
+    x = torch.arange(5.0, dtype=F64, requires_grad=True)
+    y = spmd.shard_map(lambda x: spmd.psum((x ** 2).sum(), "sp"), mesh, P("sp"), P())(x)
+    y.backward()
+    return y.item(), x.grad
+
+
+def _check_pool_works(pool):
+    for y, g in pool.run(_sum_of_squares, (2,), ("sp",)):
+        assert y == 30.0 and torch.equal(g, 2 * torch.arange(5.0, dtype=F64))
+
+
+def test_missing_rank_times_out(gloo2):
+    t0 = time.monotonic()
+    with pytest.raises(spmd.CommTimeout, match=r"rank 0: psum over axis 'sp' timed out after "
+                       r"3 s on rank 0: ranks \[1\] of the group \[0, 1\] did not arrive") as e:
+        gloo2.run(_psum_rank_1_never_arrives, (2,), ("sp",), timeout=3)
+    assert (e.value.op, e.value.axes, e.value.missing) == ("psum", ("sp",), (1,))
+    assert time.monotonic() - t0 < 20
+    _check_pool_works(gloo2)
+    # in backward: the psum that is psum's transpose
+    with pytest.raises(spmd.CommTimeout, match=r"rank 0: psum over axis 'sp' timed out after "
+                       r"3 s on rank 0: ranks \[1\] of the group \[0, 1\] did not arrive"):
+        gloo2.run(_psum_backward_rank_1_never_arrives, (2,), ("sp",), timeout=3)
+    _check_pool_works(gloo2)
+
+
+def test_exception_in_body_reaches_caller(gloo2):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"^rank 1: boom in the body"):
+        gloo2.run(_raises_in_body_on_1, (2,), ("sp",))
+    assert time.monotonic() - t0 < 15  # rank 0 waits in psum: the pool ends it, no hang
+    _check_pool_works(gloo2)
+
+
+# =========================================================================================
+# 4. spmd.launch(backend="gloo"), one shot: training through shard_map
+# =========================================================================================
+
+def _train(mesh, seed, steps):
+    """Per-rank: SGD steps of a tiny model, the loss through shard_map over uneven shards
+    (9 rows over 2 ranks), and the same steps on one device."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(),
+                                torch.nn.Linear(5, 1)).double()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(9, 3, dtype=F64), torch.randn(9, 1, dtype=F64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_fn = spmd.shard_map(lambda x, y: spmd.psum(((model(x) - y) ** 2).sum(), "sp") / 9,
+                             mesh, (P("sp"), P("sp")), P())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt_ref.zero_grad()
+        loss_ref = ((ref(x) - y) ** 2).mean()
+        loss_ref.backward()
+        opt_ref.step()
+        losses.append((loss.item(), loss_ref.item()))
+    return ([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()],
+            losses)
+
+
+def test_launch_gloo_training_matches_single_device():
+    out = spmd.launch(_train, (2,), ("sp",), backend="gloo", args=(0, 2), timeout=60)
+    assert len(out) == 2
+    for r, (params, ref, losses) in enumerate(out):
+        assert len(losses) == 2 and losses[1][1] < losses[0][1]
+        for a, b in losses:
+            assert math.isclose(a, b, rel_tol=1e-10, abs_tol=1e-10), (r, losses)
+        for i, (p, q) in enumerate(zip(params, ref)):
+            torch.testing.assert_close(p, q, **TOL_SM, msg=f"parameter {i} on rank {r}")
+            assert torch.equal(p, out[0][0][i]), f"parameter {i} differs on rank {r}"
+    # the parameters moved (the comparison would be vacuous otherwise)
+    torch.manual_seed(0)
+    init = torch.nn.Linear(3, 5).double()
+    assert not torch.allclose(out[0][0][0], init.weight.detach())
