@@ -20,6 +20,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from _reference import groups_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,17 +46,6 @@ seeds = st.integers(0, 2**31 - 1)
 
 
 # -- the single-device reference -----------------------------------------------------------
-
-def groups_of(shape, names, axes):
-    """The groups of global ranks meeting in a collective over ``axes``, each in the order
-    of the linearised index over ``axes`` (first axis major). Independent of spmd.Mesh."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    pos = [names.index(a) for a in axes]
-    rest = [p for p in range(len(shape)) if p not in pos]
-    grid = np.arange(math.prod(shape)).reshape(shape).transpose(rest + pos)
-    n = math.prod(shape[p] for p in pos)
-    return [tuple(int(v) for v in row) for row in grid.reshape(-1, n)]
-
 
 def check(case, make_input, ref, per_rank, *, seed, exact_value=False, exact_grad=False,
           same_in_group=False):

@@ -30,6 +30,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from _reference import groups_of, shard_map_vs_single_device
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -199,17 +200,6 @@ def _collectives(mesh, axes_list, cfg):
     return res
 
 
-def _groups_of(shape, names, axes):
-    """Groups of global ranks meeting over ``axes``, each ordered by the linearised index
-    over ``axes`` (first axis major). Independent of spmd.Mesh."""
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    pos = [names.index(a) for a in axes]
-    rest = [p for p in range(len(shape)) if p not in pos]
-    grid = np.arange(math.prod(shape)).reshape(shape).transpose(rest + pos)
-    n = math.prod(shape[p] for p in pos)
-    return [tuple(int(v) for v in row) for row in grid.reshape(-1, n)]
-
-
 def _close(got, want, exact, what):
     assert got is not None, f"{what}: missing"
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
@@ -224,7 +214,7 @@ def _check_collectives(got, shape, names, axes_list, cfg):
     threads = spmd.launch(_collectives, shape, names, backend="threads",
                           args=(axes_list, cfg), timeout=30)
     for j, axes in enumerate(axes_list):
-        groups = _groups_of(shape, names, axes)
+        groups = groups_of(shape, names, axes)
         n = len(groups[0])
         where = {r: k for g in groups for k, r in enumerate(g)}
         for r in range(size):
@@ -298,28 +288,11 @@ def test_collectives_2d_mesh(gloo4, cfg):
 # 2. shard_map: every process calls it with the same global tensors
 # =========================================================================================
 
-def _sm_case(f_local, f_global, mesh, in_specs, out_specs, args, params=(), **kw):
-    """One shard_map call and the single-device run in this process: outputs, the
-    gradients of every floating argument and of ``params`` (copied for the reference),
-    from a random linear functional of the outputs."""
-    args_a = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
-    args_b = [a.detach().clone().requires_grad_(a.is_floating_point()) for a in args]
-    out = spmd.shard_map(f_local, mesh, in_specs, out_specs, **kw)(*args_a)
-    ref = f_global(*args_b)
-    outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-    g = torch.Generator().manual_seed(1)
-    ws = [torch.randn(r.shape, generator=g, dtype=F64) for r in refs]
-    sum((o * w).sum() for o, w in zip(outs, ws)).backward()
-    sum((r * w).sum() for r, w in zip(refs, ws)).backward()
-    return ([o.detach() for o in outs] + [a.grad for a in args_a],
-            [r.detach() for r in refs] + [b.grad for b in args_b])
-
-
 def _with_params(mod, f_local, f_global, mesh, in_specs, out_specs, args, **kw):
     """Like _sm_case for a body closing over ``mod`` (a copy runs the reference); only
     the module's parameters require grad; returns its parameter gradients too."""
     ref_mod = copy.deepcopy(mod)
-    got, want = _sm_case(lambda *a: f_local(mod, *a), lambda *a: f_global(ref_mod, *a),
+    got, want = shard_map_vs_single_device(lambda *a: f_local(mod, *a), lambda *a: f_global(ref_mod, *a),
                          mesh, in_specs, out_specs, args, **kw)
     return (got + [p.grad for p in mod.parameters()],
             want + [p.grad for p in ref_mod.parameters()])
@@ -338,10 +311,10 @@ def _shard_map_1d(mesh, rows, seed):
     nograd = x.detach()  # no input requires grad: only parameters do
     res = {}
     # (a) psum to a replicated output, uneven shards
-    res["psum"] = _sm_case(lambda x: spmd.psum((x ** 2).sum(0), "sp"),
+    res["psum"] = shard_map_vs_single_device(lambda x: spmd.psum((x ** 2).sum(0), "sp"),
                            lambda x: (x ** 2).sum(0), mesh, P("sp"), P(), [x])
     # (b) all_gather of uneven shards inside the body
-    res["all_gather"] = _sm_case(
+    res["all_gather"] = shard_map_vs_single_device(
         lambda x: spmd.all_gather(torch.sin(x), "sp", tiled=True).cumsum(0),
         lambda x: torch.sin(x).cumsum(0), mesh, P("sp"), P(), [x])
 
@@ -358,7 +331,7 @@ def _shard_map_1d(mesh, rows, seed):
             u = _heat(torch.nn.functional.pad(u, (0, 0, 1, 1)))
         return u, (u ** 2).sum()
 
-    res["halo"] = _sm_case(local, glob, mesh, P("sp"), (P("sp"), P()), [x])
+    res["halo"] = shard_map_vs_single_device(local, glob, mesh, P("sp"), (P("sp"), P()), [x])
 
     # (d) a body closing over nn.Linear: replicated and sharded outputs, found in the
     # graph or named by params=
@@ -379,7 +352,7 @@ def _shard_map_1d(mesh, rows, seed):
     # (f) an nn.Module as f: input and parameter gradients
     mod = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh()).double()
     ref = copy.deepcopy(mod)
-    got, want = _sm_case(mod, ref, mesh, P("sp"), P("sp"), [x])
+    got, want = shard_map_vs_single_device(mod, ref, mesh, P("sp"), P("sp"), [x])
     res["module_as_f"] = (got + [p.grad for p in mod.parameters()],
                           want + [p.grad for p in ref.parameters()])
     return res
@@ -406,11 +379,11 @@ def _shard_map_2d(mesh, rows, seed):
         y = torch.tanh(x * b + c)
         return (y ** 2).sum(1).sqrt(), y.sum(0), y.sum(), y
 
-    res["dp_sp"] = _sm_case(local, glob, mesh, (P("dp", "sp"), P("sp"), P()),
+    res["dp_sp"] = shard_map_vs_single_device(local, glob, mesh, (P("dp", "sp"), P("sp"), P()),
                             (P("dp"), P("sp"), P(), P("dp", "sp")), [x, b, c])
     # rows over the tuple ("sp", "dp") (group order differs from rank order)
     ax = ("sp", "dp")
-    res["tuple"] = _sm_case(
+    res["tuple"] = shard_map_vs_single_device(
         lambda x: (spmd.all_gather(x * 2, ax, tiled=True), spmd.psum(x.sum(0), ax) ** 2,
                    spmd.pmax(x.amax(0), ax)),
         lambda x: (x * 2, x.sum(0) ** 2, x.amax(0)), mesh, P(ax), (P(), P(), P()), [x])
@@ -424,7 +397,7 @@ def _shard_map_2d(mesh, rows, seed):
     # an nn.Module as f over dp, its output split over dp
     mod = torch.nn.Linear(5, 2).double()
     ref = copy.deepcopy(mod)
-    got, want = _sm_case(mod, ref, mesh, P("dp"), P("dp"), [x])
+    got, want = shard_map_vs_single_device(mod, ref, mesh, P("dp"), P("dp"), [x])
     res["module_as_f"] = (got + [p.grad for p in mod.parameters()],
                           want + [p.grad for p in ref.parameters()])
     return res
