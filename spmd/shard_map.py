@@ -282,6 +282,7 @@ class _State:
             self.params = [p for p in self.sm.params_fn() if p.requires_grad]
         else:
             mine = {id(t) for ins in self.local_ins for t in ins}
+            mine |= {id(a) for anchors in self.anchors for a in anchors}  # not parameters
             found: dict[int, torch.Tensor] = {}
             for outs in self.local_outs:
                 _graph_leaves([t for t in outs if isinstance(t, torch.Tensor)], mine, found)

@@ -321,3 +321,11 @@ def test_exception_in_body_is_reraised_with_rank_and_mesh_recovers():
         spmd.shard_map(body, mesh, P("sp"), P())(torch.ones(6))
     # The mesh is usable again afterwards.
     assert spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())(torch.ones(6)).item() == 6
+
+
+def test_no_grad_needed_gives_output_without_grad_fn():
+    """Collectives anchor their inputs for backward; the anchors are not parameters, so
+    a call where nothing requires grad builds no autograd node."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    y = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())(torch.ones(5))
+    assert not y.requires_grad and y.grad_fn is None
