@@ -184,7 +184,7 @@ class _ShardMap:
             ranks = list(range(self.mesh.size))
 
         outs = {r: _tree.flatten(results[r][0]) for r in ranks}
-        out_leaves0, out_def = outs[ranks[0]]
+        out_def = outs[ranks[0]][1]
         for r in ranks[1:]:
             if outs[r][1] != out_def:
                 raise SpecError(f"shard_map: f returned {outs[r][1]} on rank {r} but "
@@ -260,8 +260,8 @@ class _State:
                     self.out_layouts.append(None)
                     continue
                 bad = next(r for r, v in zip(self.ranks, vals) if not _same_py(v, vals[0]))
-                raise SpecError(f"shard_map: {where} is {vals[0]!r} on rank 0 but {vals[bad]!r} "
-                                f"on rank {bad}; non-tensor outputs must agree")
+                raise SpecError(f"shard_map: {where} is {vals[0]!r} on rank {self.ranks[0]} but "
+                                f"{vals[bad]!r} on rank {bad}; non-tensor outputs must agree")
             spec = P() if spec is None else spec
             if isinstance(spec, Layout):
                 spec = spec.spec
@@ -353,18 +353,25 @@ class _State:
         return grads
 
     def _sum_over_mesh(self, grads: list) -> list:
-        """Per-rank view: every rank holds a part of each gradient; sum them everywhere."""
+        """Per-rank view: every rank holds a part of each gradient; sum them everywhere.
+
+        One all-reduce per dtype and device over a flat buffer, not one per tensor.
+        (spmd.parallel's bucketed, overlapped reducer is the tool for large models.)
+        """
         mesh, rank = self.mesh, self.ranks[0]
         group = mesh.group(mesh.axis_names, rank)
         inputs = [self.global_leaves[i] for i in self.diff] + self.params
-        out = []
-        for g, x, shared in zip(grads, inputs, self.shared):
-            if shared:
-                out.append(g)
-                continue
-            if g is None:
-                g = torch.zeros_like(x)
-            out.append(mesh.comm.all_reduce(g, "sum", group, name="shard_map backward"))
+        out = list(grads)
+        buckets: dict[tuple, list[int]] = {}
+        for j, (g, x, shared) in enumerate(zip(grads, inputs, self.shared)):
+            if not shared:
+                out[j] = torch.zeros_like(x) if g is None else g
+                buckets.setdefault((out[j].dtype, out[j].device), []).append(j)
+        for idx in buckets.values():
+            flat = torch.cat([out[j].reshape(-1) for j in idx])
+            flat = mesh.comm.all_reduce(flat, "sum", group, name="shard_map backward")
+            for j, part in zip(idx, flat.split([out[j].numel() for j in idx])):
+                out[j] = part.view_as(out[j])
         return out
 
 

@@ -329,3 +329,40 @@ def test_no_grad_needed_gives_output_without_grad_fn():
     mesh = spmd.Mesh((3,), ("sp",))
     y = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())(torch.ones(5))
     assert not y.requires_grad and y.grad_fn is None
+
+
+def test_check_rep_per_rank_path_names_rank():
+    """Per-rank view (each rank calls shard_map, as on torch processes): same check."""
+    def per_rank(mesh):
+        f = spmd.shard_map(lambda x: x[:1] * 0 + spmd.axis_index("sp"), mesh, P("sp"), P(),
+                           check_rep=True)
+        try:
+            f(torch.arange(4.0))
+        except spmd.SpecError as e:
+            return str(e)
+
+    for msg in spmd.launch(per_rank, (2,), ("sp",)):
+        assert "rank 1 differs from rank 0 at local index [0]" in msg
+
+
+def test_per_rank_parameters_summed_in_one_flat_all_reduce():
+    """Per-rank view with a module: each rank's own copy ends with the global gradient."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    x = torch.randn(7, 3, dtype=DT)
+    ref(x).pow(2).sum().backward()
+
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+
+    def per_rank(mesh):
+        # Each rank its own copy (the RNG is process-global: rank threads would race on it).
+        mod = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+                                  torch.nn.Linear(4, 1)).double()
+        mod.load_state_dict(state)
+        y = spmd.shard_map(lambda x: spmd.psum(mod(x).pow(2).sum(), "sp"), mesh, P("sp"), P())(x)
+        y.backward()
+        return [p.grad for p in mod.parameters()]
+
+    for grads in spmd.launch(per_rank, (3,), ("sp",)):
+        for g, p in zip(grads, ref.parameters()):
+            torch.testing.assert_close(g, p.grad, **TOL)
