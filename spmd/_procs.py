@@ -171,6 +171,16 @@ class ProcessPool:
         except Exception as e:
             raise TypeError(f"spmd.launch(backend='gloo'): fn and args must be picklable (fn a "
                             f"module-level function), got fn={fn!r}: {e}") from e
+        main = sys.modules.get("__main__")
+        main_file = getattr(main, "__file__", None)
+        if getattr(fn, "__module__", None) == "__main__" and not (
+                main_file and os.path.isfile(main_file)):
+            # A spawned process re-imports __main__ to find fn: stdin, a REPL or a notebook
+            # cell has no file to import, and the child would die before reporting.
+            raise TypeError(
+                f"spmd.launch(backend='gloo'): {getattr(fn, '__qualname__', fn)!r} is defined in "
+                f"an interactive __main__ (REPL, stdin or notebook) that new processes cannot "
+                f"import; define it in a .py module and import it, or use backend='threads'")
         if not self._lock.acquire(blocking=False):
             raise SpecError("ProcessPool.run: the pool is already running a task")
         ok = False

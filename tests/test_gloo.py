@@ -543,3 +543,17 @@ def test_launch_gloo_training_matches_single_device():
     torch.manual_seed(0)
     init = torch.nn.Linear(3, 5).double()
     assert not torch.allclose(out[0][0][0], init.weight.detach())
+
+
+def test_launch_refuses_function_from_interactive_main():
+    """A function typed into a REPL or notebook cannot be imported by spawned processes:
+    say so before starting any, instead of a child dying without a report."""
+    import subprocess
+    import sys
+    code = ("import spmd\n"
+            "def per_rank(mesh):\n    return mesh.rank\n"
+            "try:\n    spmd.launch(per_rank, (2,), ('sp',), backend='gloo')\n"
+            "except TypeError as e:\n    print('TypeError:', e)\n")
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         timeout=120)
+    assert "defined in an interactive __main__" in out.stdout, out.stdout + out.stderr
