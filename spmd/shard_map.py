@@ -52,7 +52,8 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
         check_rep: verify that claim and name the first rank and index that differ.
         params: tensors closed over by ``f`` that need gradients. Default: the
             parameters of ``f`` if it is an ``nn.Module``, else every leaf found in the
-            ranks' autograd graphs.
+            ranks' autograd graphs (a closed-over non-leaf, such as ``sin(w)`` computed
+            outside, is followed back to ``w``).
 
     Returns:
         A function of global arguments returning global outputs.

@@ -366,3 +366,18 @@ def test_per_rank_parameters_summed_in_one_flat_all_reduce():
     for grads in spmd.launch(per_rank, (3,), ("sp",)):
         for g, p in zip(grads, ref.parameters()):
             torch.testing.assert_close(g, p.grad, **TOL)
+
+
+def test_closed_over_non_leaf_tensor_used_outside_too():
+    """The body closes over sin(w), which the caller also uses: the walk follows it to
+    the leaf w, and the outer graph stays usable for the caller's own term."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    w = torch.randn(4, dtype=DT, requires_grad=True)
+    x = torch.randn(7, 4, dtype=DT)
+    w2 = torch.sin(w)
+    f = spmd.shard_map(lambda x: spmd.psum((x * w2).sum(), "sp") ** 2, mesh, P("sp"), P())
+    (f(x) + (w2 ** 2).sum()).backward()
+    wr = w.detach().clone().requires_grad_()
+    w2r = torch.sin(wr)
+    ((x * w2r).sum() ** 2 + (w2r ** 2).sum()).backward()
+    torch.testing.assert_close(w.grad, wr.grad, **TOL)
