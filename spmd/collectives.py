@@ -35,7 +35,7 @@ from .layout import balanced_sizes
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
            "all_to_all", "broadcast", "axis_index", "axis_size"]
 
-AxisName = "str | tuple[str, ...]"
+AxisName = str | tuple[str, ...]  # a mesh axis, or several (their product, first major)
 
 
 def _setup(x: object, axis_name: object, what: str) -> tuple[tuple[str, ...], RankContext]:

@@ -7,9 +7,6 @@ from .errors import SpecError
 
 __all__ = ["P"]
 
-Entry = "None | str | tuple[str, ...]"
-
-
 class P(tuple):
     """A partition spec: one entry per tensor dim.
 
