@@ -15,6 +15,7 @@ from .collectives import (
     psum,
     psum_scatter,
 )
+from .comm.stats import CommStats, comm_stats
 from .custom_vjp import custom_vjp
 from .errors import CommAborted, CommError, CommTimeout, SpecError
 from .launch import launch
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
-    "shard_map", "launch", "custom_vjp",
+    "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted",

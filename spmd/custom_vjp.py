@@ -13,6 +13,8 @@ from typing import Any
 import optree
 import torch
 
+from .comm.stats import in_backward
+
 __all__ = ["custom_vjp"]
 
 _stash = threading.local()
@@ -99,7 +101,8 @@ def _run_bwd(ctx, grads: tuple, name: str, bwd: Callable, nondiff: tuple[int, ..
     leaves = [next(saved) if t else v for v, t in zip(ctx.res_other, ctx.res_is_t)]
     res = optree.tree_unflatten(ctx.res_spec, leaves)
     g = grads if ctx.tuple_out else grads[0]
-    out = bwd(*ctx.nondiff_vals, res, g)
+    with in_backward():  # communication accounting: what bwd sends is backward traffic
+        out = bwd(*ctx.nondiff_vals, res, g)
     if not isinstance(out, (tuple, list)):
         raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got {type(out).__name__}")
     n_diff = ctx.n_in - len(nondiff)

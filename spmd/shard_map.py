@@ -26,6 +26,7 @@ import torch
 from . import _tree
 from ._context import RankContext, collect_anchors, in_rank_of
 from ._format import describe, shape_str
+from .comm.stats import in_backward
 from .errors import SpecError
 from .launch import run_on_threads
 from .layout import Layout
@@ -350,7 +351,8 @@ class _State:
                     acc = g if acc is None else acc + g
             grads.append(acc)
         if self.per_rank:
-            grads = self._sum_over_mesh(grads)
+            with in_backward():
+                grads = self._sum_over_mesh(grads)
         return grads
 
     def _sum_over_mesh(self, grads: list) -> list:

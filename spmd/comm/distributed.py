@@ -35,6 +35,7 @@ from .._format import shape_str
 from ..errors import CommAborted, CommError, CommTimeout, SpecError
 from ..mesh import Group, Mesh
 from .base import REDUCE_OPS
+from .stats import count
 
 __all__ = ["TorchComm"]
 
@@ -174,6 +175,7 @@ class TorchComm:
     # -- the protocol -------------------------------------------------------------------
 
     def all_reduce(self, x, op, group, *, name):
+        count("all_reduce", name, group, x=x)
         rop = _rop(op, x.dtype, name)
         if group.size == 1:
             return _copy(x)
@@ -186,6 +188,7 @@ class TorchComm:
         return y
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
+        count("all_gather", name, group, x=x)
         n = group.size
         d = _norm_dim(x, dim, name)
         if sizes is not None:
@@ -236,6 +239,7 @@ class TorchComm:
         return res
 
     def reduce_scatter(self, chunks, op, group, *, name):
+        count("reduce_scatter", name, group, chunks=chunks)
         n = group.size
         if len(chunks) != n:
             raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
@@ -270,6 +274,7 @@ class TorchComm:
         return _unreducible(out[:k], mine.dtype).view(mine.shape)
 
     def all_to_all(self, chunks, group, *, name):
+        count("all_to_all", name, group, chunks=chunks)
         n = group.size
         if len(chunks) != n:
             raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
@@ -307,6 +312,7 @@ class TorchComm:
         return res
 
     def permute(self, x, group, pairs, *, name):
+        count("permute", name, group, x=x, pairs=pairs)
         me = group.index
         srcs = [s for s, d in pairs if d == me]
         if group.size == 1:
@@ -342,6 +348,7 @@ class TorchComm:
         return _copy(x) if srcs[0] == me else recv[srcs[0]]
 
     def broadcast(self, x, src, group, *, name):
+        count("broadcast", name, group, x=x, src=src)
         if not 0 <= src < group.size:
             raise SpecError(f"{name}: src {src} is not a member index of {_axes(group)} "
                             f"(0..{group.size - 1})")
@@ -360,6 +367,7 @@ class TorchComm:
         return y
 
     def barrier(self, group, *, name="barrier"):
+        count("barrier", name, group)
         if group.size == 1:
             return
         rec = self._rec(group)

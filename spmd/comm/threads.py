@@ -19,6 +19,7 @@ import torch
 from .._format import describe
 from ..errors import CommAborted, CommError, CommTimeout
 from ..mesh import Group, Mesh
+from .stats import count
 
 __all__ = ["ThreadComm"]
 
@@ -134,12 +135,14 @@ class ThreadComm:
     # then takes a private copy, so no result aliases another rank's tensors.
 
     def all_reduce(self, x, op, group, *, name):
+        count("all_reduce", name, group, x=x)
         def combine(xs):
             _same_meta(xs, group, name)
             return _reduce(xs, op)
         return _copy(self.exchange(group, f"all_reduce({op})", x, name=name, combine=combine), x.device)
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
+        count("all_gather", name, group, x=x)
         def combine(xs):
             _same_meta(xs, group, name, skip_dim=dim)
             if sizes is not None:
@@ -152,6 +155,7 @@ class ThreadComm:
                 self.exchange(group, f"all_gather(dim={dim}, sizes={sizes})", x, name=name, combine=combine)]
 
     def reduce_scatter(self, chunks, op, group, *, name):
+        count("reduce_scatter", name, group, chunks=chunks)
         def combine(cs):
             _same_len(cs, group, name)
             for i in range(group.size):
@@ -161,6 +165,7 @@ class ThreadComm:
         return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
     def all_to_all(self, chunks, group, *, name):
+        count("all_to_all", name, group, chunks=chunks)
         def combine(cs):
             _same_len(cs, group, name)
             dts = {c.dtype for chunk_list in cs for c in chunk_list}
@@ -173,6 +178,7 @@ class ThreadComm:
         return [_copy(c[group.index], dev) for c in cs]
 
     def permute(self, x, group, pairs, *, name):
+        count("permute", name, group, x=x, pairs=pairs)
         def combine(xs):
             _same_meta(xs, group, name)
             return xs
@@ -181,6 +187,7 @@ class ThreadComm:
         return _copy(xs[src[0]], x.device) if src else None
 
     def broadcast(self, x, src, group, *, name):
+        count("broadcast", name, group, x=x, src=src)
         def combine(xs):
             _same_meta(xs, group, name)
             return xs[src]
@@ -188,6 +195,7 @@ class ThreadComm:
                      x.device)
 
     def barrier(self, group, *, name="barrier"):
+        count("barrier", name, group)
         self.exchange(group, "barrier", None, name=name)
 
 

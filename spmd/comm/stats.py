@@ -1,0 +1,132 @@
+"""Communication accounting: calls and bytes per op, axis, rank and pass.
+
+Both backends report every collective here (a no-op unless a ``comm_stats()`` block is
+open), so tests can prove that a halo moves only halo bytes, in forward and backward.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+__all__ = ["comm_stats", "CommStats"]
+
+_lock = threading.Lock()
+_open: list[CommStats] = []
+_local = threading.local()
+
+
+@dataclass
+class CommStats:
+    """What ran while a ``comm_stats()`` block was open.
+
+    ``records`` holds one ``(op, axes, rank, pass_, nbytes)`` tuple per collective call
+    on each rank, where ``pass_`` is ``"forward"`` or ``"backward"`` and ``nbytes`` the
+    payload this rank sent to *other* ranks:
+
+    - ``ppermute``: the tensor's bytes if this rank sends to another rank, else 0;
+    - ``all_gather``: its part's bytes times (group size - 1);
+    - ``psum_scatter`` / ``all_to_all``: the bytes of the blocks meant for other ranks;
+    - ``broadcast``: the tensor's bytes times (group size - 1) on the source, else 0;
+    - ``psum`` (and pmean, pmax, pmin): its contribution's bytes (what crosses the wire
+      beyond that depends on the reduction algorithm).
+
+    Only payloads count: the torch backend's int64 metadata exchanges (sizes, when
+    ``sizes=`` is not given; ``SPMD_VALIDATE=1``) do not.
+    """
+
+    records: list[tuple[str, tuple[str, ...], int, str, int]] = field(default_factory=list)
+
+    def calls(self, op: str | None = None, *, axes: tuple[str, ...] | str | None = None,
+              pass_: str | None = None, rank: int | None = None) -> int:
+        """Number of calls matching the filters (each rank's call counts once)."""
+        return sum(1 for r in self._match(op, axes, pass_, rank))
+
+    def bytes(self, op: str | None = None, *, axes: tuple[str, ...] | str | None = None,
+              pass_: str | None = None, rank: int | None = None) -> int:
+        """Bytes sent, summed over the matching calls."""
+        return sum(r[4] for r in self._match(op, axes, pass_, rank))
+
+    def by_op(self) -> dict[tuple[str, tuple[str, ...], str], tuple[int, int]]:
+        """``{(op, axes, pass): (calls, bytes)}`` over all ranks."""
+        out: dict = defaultdict(lambda: (0, 0))
+        for op, axes, _, p, n in self.records:
+            c, b = out[(op, axes, p)]
+            out[(op, axes, p)] = (c + 1, b + n)
+        return dict(out)
+
+    def _match(self, op, axes, pass_, rank) -> Iterator[tuple]:
+        if isinstance(axes, str):
+            axes = (axes,)
+        for r in self.records:
+            if ((op is None or r[0] == op) and (axes is None or r[1] == tuple(axes))
+                    and (pass_ is None or r[3] == pass_) and (rank is None or r[2] == rank)):
+                yield r
+
+    def __str__(self) -> str:
+        rows = [f"{op:>16} {'/'.join(axes):>10} {p:>8} {c:>6} calls {b:>12} bytes"
+                for (op, axes, p), (c, b) in sorted(self.by_op().items())]
+        return "\n".join(rows) if rows else "(no communication)"
+
+
+@contextmanager
+def comm_stats() -> Iterator[CommStats]:
+    """Count the collectives run while the block is open, on every rank of this process.
+
+    On a threads mesh that is every rank; on torch processes, each process counts its own.
+
+    Example:
+        >>> mesh = spmd.Mesh((2,), ("sp",))
+        >>> f = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())
+        >>> with spmd.comm_stats() as s:
+        ...     _ = f(torch.ones(4))
+        >>> s.calls("psum"), s.bytes("psum")
+        (2, 8)
+    """
+    stats = CommStats()
+    with _lock:
+        _open.append(stats)
+    try:
+        yield stats
+    finally:
+        with _lock:
+            _open.remove(stats)
+
+
+def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=None) -> None:
+    """Called by both comm backends at every collective (cheap when nothing is open):
+    the rules for what a rank sends, in one place."""
+    if not _open:
+        return
+    n, me = group.size, group.index
+    if n == 1 or kind == "barrier":
+        nbytes = 0
+    elif kind == "all_reduce":
+        nbytes = x.nbytes
+    elif kind == "all_gather":
+        nbytes = x.nbytes * (n - 1)
+    elif kind in ("reduce_scatter", "all_to_all"):
+        nbytes = sum(c.nbytes for i, c in enumerate(chunks) if i != me)
+    elif kind == "permute":
+        nbytes = x.nbytes if any(s == me and d != me for s, d in pairs) else 0
+    elif kind == "broadcast":
+        nbytes = x.nbytes * (n - 1) if me == src else 0
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    rec = (name, group.axes, group.rank, "backward" if getattr(_local, "backward", 0) else "forward",
+           int(nbytes))
+    with _lock:
+        for s in _open:
+            s.records.append(rec)
+
+
+class in_backward:
+    """Marks collectives run inside a backward rule (custom_vjp's bwd) as backward."""
+
+    def __enter__(self) -> None:
+        _local.backward = getattr(_local, "backward", 0) + 1
+
+    def __exit__(self, *exc) -> None:
+        _local.backward -= 1
