@@ -18,6 +18,7 @@ from .collectives import (
 from .comm.stats import CommStats, comm_stats
 from .custom_vjp import custom_vjp
 from .errors import CommAborted, CommError, CommTimeout, SpecError
+from .halo import halo_pad, halo_trim
 from .launch import launch
 from .layout import Layout
 from .mesh import Mesh
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
     "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
+    "halo_pad", "halo_trim",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted",

@@ -1,0 +1,275 @@
+"""``halo_pad`` and ``halo_trim``: halos from neighbours along sharded dims.
+
+The plan is the same on every rank: from the shard sizes along the axis, each padded
+position of each rank gets its source, a global index (the neighbour's data inside the
+domain; at the global boundary, what ``F.pad``'s mode says: reflect, replicate,
+circular) or the constant. So halos wider than the neighbour's shard come from ranks
+further away, zero-size shards simply hold nothing, and one exchange moves exactly the
+halo elements. Backward is the transpose: cotangents of the halo go back to their
+owners and are added into their edges.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+
+from ._context import RankContext, anchor, current
+from ._format import describe
+from .custom_vjp import custom_vjp
+from .errors import SpecError
+from .mesh import Mesh
+
+__all__ = ["halo_pad", "halo_trim"]
+
+MODES = ("constant", "reflect", "replicate", "circular")
+
+
+def halo_pad(x: torch.Tensor, mesh: Mesh, axis: str | tuple[str, ...] | None | Sequence,
+             dim: int | Sequence[int], width: int | tuple[int, int] | Sequence, *,
+             mode: str = "constant", value: float = 0.0,
+             sizes: Sequence[int] | Sequence[Sequence[int] | None] | None = None) -> torch.Tensor:
+    """Pad this rank's shard with ``width`` elements from its neighbours along ``dim``.
+
+    The result is this rank's slice of ``F.pad(global_x, ..., mode, value)``: interior
+    halos come from the ranks holding those elements (several ranks away if a
+    neighbour's shard is narrower than the halo); at the global boundary ``mode``
+    applies (``"constant"`` with ``value``, ``"reflect"``, ``"replicate"``,
+    ``"circular"``, which wraps from the last rank to the first).
+
+    Args:
+        x: this rank's shard (per-rank code: a shard_map body or a launched function).
+        mesh: the mesh the code runs on.
+        axis: the mesh axis (or tuple of axes) that splits ``dim``; None for a dim that
+            is not split (a plain local pad).
+        dim: the tensor dim to pad.
+        width: ``(lo, hi)`` elements before and after (or one int for both).
+        mode, value: as ``F.pad``.
+        sizes: every rank's size along ``dim`` (in axis order), if known; otherwise they
+            are exchanged first (one small int64 all_gather).
+
+    Several dims at once: pass one entry per dim in ``axis``, ``dim``, ``width`` (and
+    ``sizes``), e.g. ``halo_pad(x, mesh, ("x", "y"), (2, 3), ((1, 1), (2, 0)))``. They
+    are padded one after the other, so corners come from the diagonal neighbours, as
+    ``F.pad`` fills them.
+
+    Returns:
+        The padded shard: ``lo + local size + hi`` along ``dim``.
+
+    Raises:
+        SpecError: bad axis, dim, width or mode; a reflect or circular halo the global size
+            cannot provide (raised on every rank, before the data moves).
+
+    Backward:
+        The halo's cotangents travel back to the ranks that own those elements and are
+        added into their edges (the transpose of the exchange).
+
+    Ranks without data:
+        A rank with an empty shard gets its halos from the nearest ranks that hold data,
+        and sends nothing.
+
+    Example:
+        >>> mesh = spmd.Mesh((4,), ("sp",))
+        >>> f = lambda x: spmd.halo_pad(x, mesh, "sp", 0, (1, 1))
+        >>> spmd.shard_map(f, mesh, P("sp"), P("sp"))(torch.arange(8.0)).tolist()
+        [0.0, 0.0, 1.0, 2.0, 1.0, 2.0, 3.0, 4.0, 3.0, 4.0, 5.0, 6.0, 5.0, 6.0, 7.0, 0.0]
+    """
+    if isinstance(dim, (tuple, list)):
+        per = {"axis": axis, "width": width, "sizes": [None] * len(dim) if sizes is None else sizes}
+        for name, v in per.items():
+            if not isinstance(v, (tuple, list)) or len(v) != len(dim):
+                raise SpecError(f"halo_pad: with dims {tuple(dim)}, {name} must have one entry "
+                                f"per dim, got {v!r}")
+        for a, d, w, s in zip(axis, dim, width, per["sizes"]):
+            x = halo_pad(x, mesh, a, d, w, mode=mode, value=value, sizes=s)
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"halo_pad: expected a tensor, got {describe(x)}")
+    rc = current("halo_pad")
+    if rc.mesh is not mesh:
+        raise SpecError(f"halo_pad: called with {mesh!r} but this code runs on {rc.mesh!r}")
+    if mode not in MODES:
+        raise SpecError(f"halo_pad: mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        raise SpecError(f"halo_pad: dim={dim!r} is out of range for x ({describe(x)})")
+    dim %= x.ndim
+    lo, hi = _width(width)
+    axes = None if axis is None else mesh.check_axes(axis, "halo_pad")
+    group = None if axes is None else mesh.group(axes, rc.rank)
+    if group is None or group.size == 1:
+        all_sizes = (x.shape[dim],)
+        me = 0
+    else:
+        all_sizes = _sizes(x, dim, group, rc, sizes)
+        me = group.index
+    plan = _plan(all_sizes, lo, hi, mode, _axes_str(axes), dim)
+    if lo == hi == 0:
+        return x
+    return _halo(anchor(x), rc, axes, me, dim, plan, float(value))
+
+
+def halo_trim(x: torch.Tensor, dim: int, width: int | tuple[int, int]) -> torch.Tensor:
+    """Remove ``width = (lo, hi)`` halo elements from ``dim`` (the inverse slice of
+    ``halo_pad``; its gradient pads with zeros).
+
+    Example:
+        >>> spmd.halo_trim(torch.arange(6.0), 0, (1, 2)).tolist()
+        [1.0, 2.0, 3.0]
+    """
+    if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:
+        raise SpecError(f"halo_trim: dim={dim!r} is out of range for x ({describe(x)})")
+    lo, hi = _width(width, "halo_trim")
+    if lo + hi > x.shape[dim]:
+        raise SpecError(f"halo_trim: width ({lo}, {hi}) is more than dim {dim % x.ndim} of x "
+                        f"({describe(x)}) holds")
+    return x.narrow(dim, lo, x.shape[dim] - lo - hi)
+
+
+# -- the plan: pure arithmetic, the same on every rank ------------------------------------------
+
+@lru_cache(maxsize=512)
+def _plan(sizes: tuple[int, ...], lo: int, hi: int, mode: str, axes: str, dim: int):
+    """For every rank r: ``need[r][s]`` = (positions in r's padded shard, local indices in
+    s's shard) of what r gets from s; ``const[r]`` = positions filled with the value."""
+    n_glob = sum(sizes)
+    starts = [0]
+    for s in sizes:
+        starts.append(starts[-1] + s)
+    for w in (lo, hi):
+        if mode == "reflect" and w > max(n_glob - 1, 0):
+            raise SpecError(
+                f"halo_pad: mode='reflect' width ({lo}, {hi}) on dim {dim} needs at most "
+                f"{max(n_glob - 1, 0)} elements per side, the global size along {axes} minus "
+                f"one (sizes {list(sizes)}); use a smaller width or mode='replicate'")
+        if mode in ("circular", "replicate") and w > 0 and n_glob == 0:
+            raise SpecError(f"halo_pad: mode={mode!r} cannot pad dim {dim}: it is empty "
+                            f"along {axes} (sizes {list(sizes)})")
+        if mode == "circular" and w > n_glob:
+            raise SpecError(
+                f"halo_pad: mode='circular' width ({lo}, {hi}) on dim {dim} wraps more than "
+                f"once around the global size {n_glob} along {axes} (sizes {list(sizes)}); "
+                f"use at most {n_glob} per side")
+    owners = [r for r, s in enumerate(sizes) if s > 0]
+    owner_starts = [starts[r] for r in owners]
+    need, const = [], []
+    for r, size in enumerate(sizes):
+        by_src: dict[int, tuple[list[int], list[int]]] = {}
+        cpos: list[int] = []
+        for p in list(range(lo)) + list(range(lo + size, lo + size + hi)):
+            g = starts[r] + p - lo
+            if not 0 <= g < n_glob:
+                if mode == "constant":
+                    cpos.append(p)
+                    continue
+                if mode == "reflect":
+                    g = -g if g < 0 else 2 * (n_glob - 1) - g
+                elif mode == "replicate":
+                    g = min(max(g, 0), n_glob - 1)
+                else:  # circular
+                    g %= n_glob
+            s = owners[bisect.bisect_right(owner_starts, g) - 1]
+            pos, idx = by_src.setdefault(s, ([], []))
+            pos.append(p)
+            idx.append(g - starts[s])
+        need.append({s: (tuple(p), tuple(i)) for s, (p, i) in by_src.items()})
+        const.append(tuple(cpos))
+    return tuple(sizes), lo, hi, tuple(need), tuple(const)
+
+
+def _width(width, what: str = "halo_pad") -> tuple[int, int]:
+    if isinstance(width, int) and not isinstance(width, bool):
+        lo = hi = width
+    elif isinstance(width, (tuple, list)) and len(width) == 2 and all(
+            isinstance(w, int) and not isinstance(w, bool) for w in width):
+        lo, hi = width
+    else:
+        raise SpecError(f"{what}: width must be an int or a pair (lo, hi) of ints, got {width!r}")
+    if lo < 0 or hi < 0:
+        raise SpecError(f"{what}: width ({lo}, {hi}) must be non-negative; use halo_trim to "
+                        f"remove elements")
+    return lo, hi
+
+
+def _axes_str(axes) -> str:
+    if axes is None:
+        return "an unsplit dim"
+    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+
+
+def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[int, ...]:
+    if sizes is not None:
+        sizes = tuple(int(s) for s in sizes)
+        if len(sizes) != group.size:
+            raise SpecError(f"halo_pad: sizes={list(sizes)} needs one size per rank of "
+                            f"{_axes_str(group.axes)} ({group.size})")
+        if sizes[group.index] != x.shape[dim]:
+            raise SpecError(
+                f"halo_pad: dim {dim} of x has size {x.shape[dim]} on rank {rc.rank} but "
+                f"sizes={list(sizes)} says {sizes[group.index]} for its index "
+                f"{group.index} of {_axes_str(group.axes)}")
+        return sizes
+    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+    got = rc.mesh.comm.all_gather(mine, group, 0, name="halo_pad sizes", sizes=(1,) * group.size)
+    return tuple(int(t.item()) for t in got)
+
+
+# -- the exchange and its transpose -------------------------------------------------------------
+
+def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str) -> list[torch.Tensor]:
+    if axes is None or len(chunks) == 1:
+        return [c.clone() for c in chunks]
+    group = rc.mesh.group(axes, rc.rank)
+    return rc.mesh.comm.all_to_all(chunks, group, name=name)
+
+
+def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
+    return t.index_select(dim, torch.tensor(idx, dtype=torch.long, device=t.device))
+
+
+def _empty_like_along(t: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = 0
+    return t.new_empty(shape)
+
+
+@custom_vjp
+def _halo(x, rc, axes, me, dim, plan, value):
+    sizes, lo, hi, need, const = plan
+    n = len(sizes)
+    # What each rank r needs from me, gathered in the order r placed it.
+    chunks = [(_index(x, dim, need[r][me][1]) if me in need[r] else _empty_like_along(x, dim))
+              for r in range(n)]
+    recv = _exchange(chunks, rc, axes, "halo_pad")
+    shape = list(x.shape)
+    shape[dim] = lo + sizes[me] + hi
+    out = x.new_full(shape, value) if const[me] else x.new_empty(shape)
+    out.narrow(dim, lo, sizes[me]).copy_(x)
+    for s, (pos, _) in need[me].items():
+        out.index_copy_(dim, torch.tensor(pos, dtype=torch.long, device=x.device), recv[s])
+    return out
+
+
+def _halo_fwd(x, rc, axes, me, dim, plan, value):
+    return _halo(x, rc, axes, me, dim, plan, value), (rc, axes, me, dim, plan)
+
+
+def _halo_bwd(res, g):
+    """The transpose: halo cotangents go back to their owners, added into their edges."""
+    rc, axes, me, dim, plan = res
+    sizes, lo, hi, need, _ = plan
+    n = len(sizes)
+    back = [(_index(g, dim, need[me][s][0]) if s in need[me] else _empty_like_along(g, dim))
+            for s in range(n)]
+    with rc:
+        got = _exchange(back, rc, axes, "halo_pad")
+    gx = g.narrow(dim, lo, sizes[me]).clone()
+    for r in range(n):
+        if me in need[r]:
+            idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
+            gx.index_add_(dim, idx, got[r])
+    return gx, None, None, None, None, None, None
+
+
+_halo.defvjp(_halo_fwd, _halo_bwd)
