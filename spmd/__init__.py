@@ -23,6 +23,7 @@ from .launch import launch
 from .layout import Layout
 from .mesh import Mesh
 from .placeholder import Placeholder
+from .reduction import reduce
 from .shard_map import shard_map
 from .spec import P
 
@@ -31,7 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
     "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
-    "halo_pad", "halo_trim",
+    "halo_pad", "halo_trim", "reduce",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted",
