@@ -24,6 +24,7 @@ from .layout import Layout
 from .mesh import Mesh
 from .placeholder import Placeholder
 from .reduction import reduce
+from .scatter_gather import backward, gather, scatter
 from .shard_map import shard_map
 from .spec import P
 
@@ -32,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
     "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
-    "halo_pad", "halo_trim", "reduce",
+    "halo_pad", "halo_trim", "reduce", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted",

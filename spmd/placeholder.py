@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,11 @@ class Placeholder:
 
     It is an optree leaf, so pytrees of outputs keep their structure on every rank.
 
+    A Placeholder made by ``spmd.gather`` with a gradient also holds a private handle to
+    the gather's autograd node (not compared, hashed, shown or pickled), so that
+    ``p.backward()`` (or ``spmd.scatter_gather.backward(p)``) lets a rank without data
+    take part in the backward exchange.
+
     Example:
         >>> Placeholder(torch.Size([8, 16]), torch.float32, torch.device("cpu"), False, None, (0,))
         Placeholder(f32[8, 16], on rank 0)
@@ -35,6 +40,7 @@ class Placeholder:
     requires_grad: bool
     layout: Layout | None
     holders: tuple[int, ...]
+    _node: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", torch.Size(self.shape))
@@ -57,6 +63,23 @@ class Placeholder:
 
     def numel(self) -> int:
         return self.shape.numel()
+
+    def backward(self) -> None:
+        """Take part in the backward of the ``spmd.gather`` that made this Placeholder:
+        this rank receives its shard's cotangent from the rank holding the data. A no-op
+        when no gradient is needed."""
+        from .scatter_gather import backward
+        backward(self)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_node", None)  # the autograd handle stays on its rank
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_node", None)
 
     def __repr__(self) -> str:
         h = self.holders
