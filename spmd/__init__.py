@@ -23,6 +23,7 @@ from .launch import launch
 from .layout import Layout
 from .mesh import Mesh
 from .placeholder import Placeholder
+from .redistribute import redistribute
 from .reduction import reduce
 from .scatter_gather import backward, gather, scatter
 from .shard_map import shard_map
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
     "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
-    "halo_pad", "halo_trim", "reduce", "scatter", "gather", "backward",
+    "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted",

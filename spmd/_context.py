@@ -70,6 +70,18 @@ def _no_rank(mesh: Mesh, what: str) -> int:
         f"rank threads; use spmd.shard_map(...) or spmd.launch(...) to run per-rank code")
 
 
+def on_mesh(mesh: Mesh, what: str, x: object = None, *, tensor: bool = True) -> RankContext:
+    """The rank context of a transform called as ``what(x, mesh, ...)`` in per-rank code:
+    checks that ``x`` is a tensor (when ``tensor``) and that ``mesh`` is the one running."""
+    if tensor and not isinstance(x, torch.Tensor):
+        from ._format import describe
+        raise TypeError(f"{what}: expected a tensor, got {describe(x)}")
+    rc = current(what)
+    if rc.mesh is not mesh:
+        raise SpecError(f"{what}: called with {mesh!r} but this code runs on {rc.mesh!r}")
+    return rc
+
+
 def current_rank(mesh: Mesh) -> int:
     for m, r in reversed(_stack()):
         if m is mesh and r is not None:

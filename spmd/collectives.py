@@ -75,21 +75,23 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(psum, x, axis_name)
     axes, rc = _setup(x, axis_name, "psum")
-    return _psum(anchor(x), axes, rc)
+    return _psum(anchor(x), axes, rc, "psum")
 
 
 @custom_vjp
-def _psum(x, axes, rc):
-    return rc.mesh.comm.all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name="psum")
+def _psum(x, axes, rc, name):
+    """psum's core; ``name`` is what communication accounting records (transforms built
+    on it, such as ``reduce``, record their own)."""
+    return rc.mesh.comm.all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name=name)
 
 
 def _psum_bwd(res, g):
-    axes, rc = res
-    with rc:
-        return psum(g, axes), None, None
+    axes, rc, name = res
+    with rc:  # psum's transpose is psum
+        return _psum(anchor(g), axes, rc, name), None, None, None
 
 
-_psum.defvjp(lambda x, axes, rc: (_psum(x, axes, rc), (axes, rc)), _psum_bwd)
+_psum.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)), _psum_bwd)
 
 
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
@@ -100,7 +102,7 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(pmean, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmean")
-    return _psum(anchor(x), axes, rc) / rc.mesh.axis_size(axes)
+    return _psum(anchor(x), axes, rc, "pmean") / rc.mesh.axis_size(axes)
 
 
 # -- pmax / pmin -------------------------------------------------------------------------

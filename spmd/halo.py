@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from ._context import RankContext, anchor, current
+from ._context import RankContext, anchor, on_mesh
 from ._format import describe
 from .custom_vjp import custom_vjp
 from .errors import SpecError
@@ -85,11 +85,7 @@ def halo_pad(x: torch.Tensor, mesh: Mesh, axis: str | tuple[str, ...] | None | S
         for a, d, w, s in zip(axis, dim, width, per["sizes"]):
             x = halo_pad(x, mesh, a, d, w, mode=mode, value=value, sizes=s)
         return x
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"halo_pad: expected a tensor, got {describe(x)}")
-    rc = current("halo_pad")
-    if rc.mesh is not mesh:
-        raise SpecError(f"halo_pad: called with {mesh!r} but this code runs on {rc.mesh!r}")
+    rc = on_mesh(mesh, "halo_pad", x)
     if mode not in MODES:
         raise SpecError(f"halo_pad: mode must be one of {MODES}, got {mode!r}")
     if not isinstance(dim, int) or not -x.ndim <= dim < x.ndim:

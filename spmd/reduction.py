@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ._context import RankContext, anchor, current
+from ._context import RankContext, anchor, on_mesh
 from ._format import describe, shape_str
+from .collectives import _psum
 from .custom_vjp import custom_vjp
 from .errors import SpecError
 from .layout import Layout
@@ -93,11 +94,7 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
         >>> spmd.shard_map(f, mesh, P("sp"), P())(torch.arange(6.0).reshape(3, 2)).tolist()
         [2.0, 3.0]
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"reduce: expected a tensor, got {describe(x)}")
-    rc = current("reduce")
-    if rc.mesh is not mesh:
-        raise SpecError(f"reduce: called with {mesh!r} but this code runs on {rc.mesh!r}")
+    rc = on_mesh(mesh, "reduce", x)
     if op not in OPS:
         raise SpecError(f"reduce: op must be one of {OPS}, got {op!r}")
     spec = as_spec(spec, "reduce: spec")
@@ -134,7 +131,7 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
         if op in ("sum", "mean"):
             loc = x.sum(dim=dims, keepdim=True)
             if op == "sum" or known is not None:
-                out = _allsum(anchor(loc), axes, rc)
+                out = _psum(anchor(loc), axes, rc, "reduce")
                 if op == "mean":
                     out = out / known
             else:
@@ -228,18 +225,6 @@ def _ax(axes: tuple[str, ...]) -> str:
 
 # -- the collectives --------------------------------------------------------------------------
 
-@custom_vjp
-def _allsum(x, axes, rc):
-    return rc.mesh.comm.all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name="reduce")
-
-
-def _allsum_bwd(res, g):
-    axes, rc = res
-    with rc:
-        return _allsum(g, axes, rc), None, None
-
-
-_allsum.defvjp(lambda x, axes, rc: (_allsum(x, axes, rc), (axes, rc)), _allsum_bwd)
 
 
 @custom_vjp
@@ -259,7 +244,7 @@ def _mean_counted_bwd(res, g):
     """The count is known by now: only the cotangent moves (output size)."""
     axes, rc, count = res
     with rc:
-        return _allsum(g, axes, rc) / count, None, None, None
+        return _psum(g, axes, rc, "reduce") / count, None, None, None
 
 
 _mean_counted.defvjp(_mean_counted_fwd, _mean_counted_bwd)
@@ -305,7 +290,7 @@ def _ext_bwd(res, g):
     mask = (x == y).to(g.dtype)
     cnt = mask.sum(dim=dims, keepdim=True) if dims else mask
     with rc:
-        both = _allsum(torch.stack([cnt, g]), axes, rc)
+        both = _psum(torch.stack([cnt, g]), axes, rc, "reduce")
     return both[1] / both[0] * mask, None, None, None, None, None
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import optree
 import torch
 
-from ._context import RankContext, anchor, current
+from ._context import RankContext, anchor, on_mesh
 from ._format import describe, shape_str
 from .custom_vjp import custom_vjp
 from .errors import SpecError
@@ -44,13 +44,6 @@ DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.com
 MAX_NDIM = 16
 _OK, _MISSING, _BAD_DTYPE, _TOO_MANY_DIMS = 0, 1, 2, 3
 _HDR = 4  # scatter meta: [status, dtype code, requires_grad, ndim, *shape (MAX_NDIM)]
-
-
-def _rank_context(mesh: Mesh, what: str) -> RankContext:
-    rc = current(what)
-    if rc.mesh is not mesh:
-        raise SpecError(f"{what}: called with {mesh!r} but this code runs on {rc.mesh!r}")
-    return rc
 
 
 def _check_rank(r: Any, n: int, what: str, name: str) -> int:
@@ -119,7 +112,7 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
         >>> spmd.launch(body, (3,), ("sp",), backend="threads")
         [([0.0, 1.0], [10.0, 10.0, 10.0, 10.0, 10.0]), ([2.0, 3.0], None), ([4.0], None)]
     """
-    rc = _rank_context(mesh, "scatter")
+    rc = on_mesh(mesh, "scatter", tensor=False)
     n = math.prod(mesh.shape)
     _check_rank(src, n, "scatter", "src")
     group = mesh.group(mesh.axis_names, rc.rank)
@@ -256,7 +249,7 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
         (Placeholder(f32[6], on rank 0, requires_grad), [1.0, 2.0])
         (Placeholder(f32[6], on rank 0, requires_grad), [3.0, 4.0, 5.0])
     """
-    rc = _rank_context(mesh, "gather")
+    rc = on_mesh(mesh, "gather", tensor=False)
     n = math.prod(mesh.shape)
     if dst is not None:
         _check_rank(dst, n, "gather", "dst")
