@@ -557,3 +557,30 @@ def test_launch_refuses_function_from_interactive_main():
     out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
                          timeout=120)
     assert "defined in an interactive __main__" in out.stdout, out.stdout + out.stderr
+
+
+def _transforms_2x2(mesh):
+    """Every transform of issue 3 on a (2, 2) mesh, forward and backward."""
+    xg = torch.arange(30.0, dtype=F64).reshape(6, 5) / 7
+    lay = spmd.Layout(xg.shape, P("dp", "sp"), mesh)
+    x = lay.shard(xg, mesh.rank).clone().requires_grad_()
+    h = spmd.halo_pad(x, mesh, ("dp", "sp"), (0, 1), ((1, 2), (2, 1)), mode="reflect")
+    r = spmd.redistribute(x, mesh, P("dp", "sp"), P("sp", "dp"))
+    m = spmd.reduce(x, mesh, P("dp", "sp"), op="mean", dim=0)
+    g = spmd.gather(x, mesh, P("dp", "sp"), dst=3)
+    s = spmd.scatter(xg.clone() if mesh.rank == 0 else None, mesh, P(None, ("sp", "dp")))
+    loss = (h ** 2).sum() + (r * 3).sum() + m.sum() + s.sum()
+    spmd.backward([loss, g if isinstance(g, spmd.Placeholder) else g.sum()])
+    return [t.detach() if isinstance(t, torch.Tensor) else repr(t) for t in (h, r, m, g, s)], x.grad
+
+
+def test_transforms_world_4_match_threads(gloo4):
+    got = gloo4.run(_transforms_2x2, (2, 2), ("dp", "sp"))
+    want = spmd.launch(_transforms_2x2, (2, 2), ("dp", "sp"))
+    for (gv, gg), (wv, wg) in zip(got, want):
+        for a, b in zip(gv, wv):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            else:
+                assert a == b
+        torch.testing.assert_close(gg, wg, rtol=0, atol=0)

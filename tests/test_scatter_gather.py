@@ -18,6 +18,7 @@ import spmd
 from spmd import P
 from spmd.scatter_gather import backward, gather, scatter
 from spmd.spec import entry_axes
+from spmd.testing import check_adjoint
 
 F64 = torch.float64
 
@@ -285,48 +286,24 @@ def test_backward_accepts_pytrees_and_skips_no_grad():
 @pytest.mark.parametrize("shape, names, spec", [
     ((3,), ("a",), P("a")), ((2, 2), ("a", "b"), P("b")), ((2, 3), ("a", "b"), P("b", "a"))])
 def test_adjoint_scatter(shape, names, spec):
-    n = math.prod(shape)
-    g = torch.Generator().manual_seed(7)
-    xg = torch.randn(5, 4, dtype=F64, generator=g)
-    lay = spmd.Layout(xg.shape, spec, spmd.Mesh(shape, names))
-    ys = [torch.randn(lay.local_shape(r), dtype=F64, generator=g) for r in range(n)]
-
-    def f(mesh):
-        x = xg.clone().requires_grad_() if mesh.rank == 1 else None
-        tx = scatter(x, mesh, spec, src=1)
-        backward(tx, ys[mesh.rank])
-        return (tx.detach() * ys[mesh.rank]).sum(), x.grad if mesh.rank == 1 else None
-
-    out = launch(f, shape, names)
-    lhs = sum(o[0] for o in out)
-    rhs = (xg * out[1][1]).sum()
-    close(lhs, rhs)
+    """Only rank 1 holds an input; every rank gets a shard (spmd.testing.check_adjoint)."""
+    mesh = spmd.Mesh(shape, names)
+    xg = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(7))
+    check_adjoint(lambda x: scatter(x, mesh, spec, src=1), mesh,
+                  lambda r: xg if r == 1 else None)
 
 
 @pytest.mark.parametrize("shape, names, spec, dst", [
     ((3,), ("a",), P("a"), 2), ((2, 2), ("a", "b"), P("b"), 1),
     ((2, 2), ("a", "b"), P("a"), None), ((2, 3), ("a", "b"), P(("a", "b")), 0)])
 def test_adjoint_gather(shape, names, spec, dst):
-    n = math.prod(shape)
-    g = torch.Generator().manual_seed(8)
-    lay = spmd.Layout((5, 4), spec, spmd.Mesh(shape, names))
-    # every rank's shard is its own variable: replicas hold different values
-    xs = [torch.randn(lay.local_shape(r), dtype=F64, generator=g) for r in range(n)]
-    ys = [torch.randn(5, 4, dtype=F64, generator=g) for r in range(n)]
-
-    def f(mesh):
-        x = xs[mesh.rank].clone().requires_grad_()
-        tx = gather(x, mesh, spec, dst=dst)
-        if isinstance(tx, torch.Tensor):
-            backward(tx, ys[mesh.rank])
-            lhs = (tx.detach() * ys[mesh.rank]).sum()
-        else:
-            backward(tx)
-            lhs = torch.zeros((), dtype=F64)
-        return lhs, (x.detach() * x.grad).sum()
-
-    out = launch(f, shape, names)
-    close(sum(o[0] for o in out), sum(o[1] for o in out))
+    """Ranks other than dst hold a Placeholder; replicas hold different values (every
+    rank's shard is its own variable)."""
+    mesh = spmd.Mesh(shape, names)
+    lay = spmd.Layout((5, 4), spec, mesh)
+    check_adjoint(lambda x: gather(x, mesh, spec, dst=dst), mesh,
+                  lambda r: torch.randn(lay.local_shape(r), dtype=F64,
+                                        generator=torch.Generator().manual_seed(8 + r)))
 
 
 # -- errors ---------------------------------------------------------------------------------

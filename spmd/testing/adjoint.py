@@ -8,6 +8,8 @@ import torch
 from .._context import current, in_rank_of
 from ..launch import run_on_threads
 from ..mesh import Mesh
+from ..placeholder import Placeholder
+from ..scatter_gather import backward
 
 __all__ = ["check_adjoint"]
 
@@ -27,7 +29,10 @@ def check_adjoint(fn: Callable[[torch.Tensor], torch.Tensor], mesh: Mesh,
         mesh: where it runs. Called from ordinary code, the ranks run on the threads of
             a threads mesh; called from per-rank code (a launched function, a torch
             process), this rank does its part and the sums are psum'd over the mesh.
-        inputs: ``x_r`` for each rank, as a function of the rank or a list.
+        inputs: ``x_r`` for each rank, as a function of the rank or a list; ``None`` or a
+            ``Placeholder`` on ranks without data. ``fn`` may return a ``Placeholder``
+            on ranks without output: they contribute nothing to the inner products and
+            still take part in backward (``spmd.backward``).
         seed: seeds ``y_r`` (per rank).
         rtol, atol: tolerance of the comparison.
 
@@ -45,13 +50,22 @@ def check_adjoint(fn: Callable[[torch.Tensor], torch.Tensor], mesh: Mesh,
     make = inputs if callable(inputs) else (lambda r: inputs[r])
 
     def per_rank(rank: int) -> tuple[float, float]:
-        x = make(rank).detach().clone().requires_grad_()
+        x = make(rank)
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone().requires_grad_()
         tx = fn(x)
-        g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + rank)
-        y = torch.randn(tx.shape, dtype=tx.dtype, generator=g).to(tx.device)
-        (tx * y).sum().backward()
+        if isinstance(tx, Placeholder):  # no output here; still takes part in backward
+            backward(tx)
+            lhs = 0.0
+        else:
+            g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + rank)
+            y = torch.randn(tx.shape, dtype=tx.dtype, generator=g).to(tx.device)
+            backward(tx, y)
+            lhs = float((tx.detach() * y).sum())
+        if not isinstance(x, torch.Tensor):
+            return lhs, 0.0
         gx = torch.zeros_like(x) if x.grad is None else x.grad
-        return float((tx.detach() * y).sum()), float((x.detach() * gx).sum())
+        return lhs, float((x.detach() * gx).sum())
 
     if in_rank_of(mesh):
         from ..collectives import psum
