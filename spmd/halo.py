@@ -213,11 +213,16 @@ def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[in
 
 # -- the exchange and its transpose -------------------------------------------------------------
 
-def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str) -> list[torch.Tensor]:
+def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str,
+              counts: list[int], dim: int) -> list[torch.Tensor]:
+    """All-to-all of the planned chunks; ``counts[s]``: how many elements along ``dim``
+    arrive from member s (known from the plan, so no shape exchange is needed)."""
     if axes is None or len(chunks) == 1:
         return [c.clone() for c in chunks]
+    like = chunks[0].shape
+    shapes = [tuple(k if d == dim else v for d, v in enumerate(like)) for k in counts]
     group = rc.mesh.group(axes, rc.rank)
-    return rc.mesh.comm.all_to_all(chunks, group, name=name)
+    return rc.mesh.comm.all_to_all(chunks, group, name=name, shapes=shapes)
 
 
 def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
@@ -237,7 +242,8 @@ def _halo(x, rc, axes, me, dim, plan, value):
     # What each rank r needs from me, gathered in the order r placed it.
     chunks = [(_index(x, dim, need[r][me][1]) if me in need[r] else _empty_like_along(x, dim))
               for r in range(n)]
-    recv = _exchange(chunks, rc, axes, "halo_pad")
+    counts = [len(need[me][s][0]) if s in need[me] else 0 for s in range(n)]
+    recv = _exchange(chunks, rc, axes, "halo_pad", counts, dim)
     shape = list(x.shape)
     shape[dim] = lo + sizes[me] + hi
     out = x.new_full(shape, value) if const[me] else x.new_empty(shape)
@@ -258,8 +264,9 @@ def _halo_bwd(res, g):
     n = len(sizes)
     back = [(_index(g, dim, need[me][s][0]) if s in need[me] else _empty_like_along(g, dim))
             for s in range(n)]
+    counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
     with rc:
-        got = _exchange(back, rc, axes, "halo_pad")
+        got = _exchange(back, rc, axes, "halo_pad", counts, dim)
     gx = g.narrow(dim, lo, sizes[me]).clone()
     for r in range(n):
         if me in need[r]:

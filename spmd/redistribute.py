@@ -154,9 +154,12 @@ def _box(t: torch.Tensor, off: tuple[int, ...], shape: tuple[int, ...]) -> torch
     return t
 
 
-def _exchange(chunks, rc: RankContext):
+def _exchange(chunks, rc: RankContext, shapes):
+    """One all-to-all over the whole mesh; ``shapes``: what arrives from each rank (the
+    plan knows, so no shape exchange is needed; (0,) where nothing comes)."""
     mesh = rc.mesh
-    return mesh.comm.all_to_all(chunks, mesh.group(mesh.axis_names, rc.rank), name="redistribute")
+    return mesh.comm.all_to_all(chunks, mesh.group(mesh.axis_names, rc.rank),
+                                name="redistribute", shapes=shapes)
 
 
 @custom_vjp
@@ -173,7 +176,10 @@ def _redist(x, rc, plan):
         for s, s_box, _, shape in pieces[r]:
             if s == me:
                 chunks[r] = _box(x, s_box, shape).contiguous()
-    recv = _exchange(chunks, rc)
+    shapes = [(0,)] * n
+    for s, _, _, shape in pieces[me]:
+        shapes[s] = shape
+    recv = _exchange(chunks, rc, shapes)
     for s, _, r_box, shape in pieces[me]:
         _box(out, r_box, shape).copy_(recv[s].view(shape))
     return out
@@ -195,8 +201,13 @@ def _redist_bwd(res, g):
     back = [g.new_empty(0)] * n
     for s, _, r_box, shape in pieces[me]:
         back[s] = _box(g, r_box, shape).contiguous()
+    shapes = [(0,)] * n
+    for r in range(n):
+        for s, _, _, shape in pieces[r]:
+            if s == me:
+                shapes[r] = shape
     with rc:
-        got = _exchange(back, rc)
+        got = _exchange(back, rc, shapes)
     for r in range(n):
         for s, s_box, _, shape in pieces[r]:
             if s == me:

@@ -30,8 +30,13 @@ class Comm(Protocol):
                        name: str) -> torch.Tensor:
         """Member i gets the reduction over members of their ``chunks[i]``."""
 
-    def all_to_all(self, chunks: list[torch.Tensor], group: Group, *, name: str) -> list[torch.Tensor]:
-        """Member i gets ``[m.chunks[i] for m in members]``."""
+    def all_to_all(self, chunks: list[torch.Tensor], group: Group, *, name: str,
+                   shapes: list[tuple[int, ...]] | None = None) -> list[torch.Tensor]:
+        """Member i gets ``[m.chunks[i] for m in members]``.
+
+        ``shapes``: the shapes this member receives, in group order, when the caller's
+        plan knows them (all chunks of one dtype): skips a metadata exchange.
+        """
 
     def permute(self, x: torch.Tensor, group: Group, pairs: tuple[tuple[int, int], ...], *,
                 name: str) -> torch.Tensor | None:

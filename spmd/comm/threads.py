@@ -164,7 +164,7 @@ class ThreadComm:
         cs = self.exchange(group, f"reduce_scatter({op})", chunks, name=name, combine=combine)
         return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
-    def all_to_all(self, chunks, group, *, name):
+    def all_to_all(self, chunks, group, *, name, shapes=None):
         count("all_to_all", name, group, chunks=chunks)
         def combine(cs):
             _same_len(cs, group, name)
@@ -175,7 +175,12 @@ class ThreadComm:
             return cs
         cs = self.exchange(group, "all_to_all", chunks, name=name, combine=combine)
         dev = chunks[group.index].device
-        return [_copy(c[group.index], dev) for c in cs]
+        got = [_copy(c[group.index], dev) for c in cs]
+        if shapes is not None and [tuple(t.shape) for t in got] != [tuple(s) for s in shapes]:
+            raise CommError(f"{name}: rank {group.rank} expected blocks of shapes "
+                            f"{[list(s) for s in shapes]} but got "
+                            f"{[list(t.shape) for t in got]}")
+        return got
 
     def permute(self, x, group, pairs, *, name):
         count("permute", name, group, x=x, pairs=pairs)
