@@ -364,6 +364,8 @@ class _State:
         mesh, rank = self.mesh, self.ranks[0]
         group = mesh.group(mesh.axis_names, rank)
         inputs = [self.global_leaves[i] for i in self.diff] + self.params
+        if mesh.backend == "torch":
+            self._check_same_gradients(inputs, group)
         out = list(grads)
         buckets: dict[tuple, list[int]] = {}
         for j, (g, x, shared) in enumerate(zip(grads, inputs, self.shared)):
@@ -376,6 +378,23 @@ class _State:
             for j, part in zip(idx, flat.split([out[j].numel() for j in idx])):
                 out[j] = part.view_as(out[j])
         return out
+
+
+    def _check_same_gradients(self, inputs: list, group) -> None:
+        """Ranks that found different parameters would all-reduce buffers of different
+        sizes, which gloo answers by aborting the process: compare first (int64)."""
+        n_in, n_par = len(self.diff), len(self.params)
+        mine = torch.tensor([[n_in, n_par, sum(t.numel() for t in inputs)]], dtype=torch.int64,
+                            device=inputs[0].device if inputs else None)
+        rows = [t[0].tolist() for t in self.mesh.comm.all_gather(
+            mine, group, 0, name="shard_map backward check", sizes=(1,) * group.size)]
+        if any(r != rows[0] for r in rows):
+            desc = ", ".join(f"rank {group.ranks[i]}: {r[0]} inputs + {r[1]} parameters "
+                             f"({r[2]} elements)" for i, r in enumerate(rows))
+            raise SpecError(
+                f"shard_map backward: ranks found different tensors to differentiate ({desc}); "
+                f"every rank's body must use the same parameters (pass params=... "
+                f"explicitly, or an nn.Module as f)")
 
 
 def _same_py(a: Any, b: Any) -> bool:

@@ -584,3 +584,33 @@ def test_transforms_world_4_match_threads(gloo4):
             else:
                 assert a == b
         torch.testing.assert_close(gg, wg, rtol=0, atol=0)
+
+
+def _divergent_params(mesh):
+    torch.manual_seed(0)  # one process per rank: the same weights everywhere
+    lin1, lin2 = torch.nn.Linear(2, 2).double(), torch.nn.Linear(2, 2).double()
+
+    def body(x):
+        y = lin1(x)
+        if spmd.axis_index("sp") == 1:  # a data-dependent branch: rank 1 uses lin2 too
+            y = lin2(y)
+        return spmd.psum(y.sum(), "sp")
+
+    x = torch.ones(4, 2, dtype=F64)
+    try:
+        spmd.shard_map(body, mesh, P("sp"), P())(x).backward()
+    except spmd.SpecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_finding_different_parameters_get_a_clear_error(gloo2):
+    """Without the check, gloo would abort the processes on mismatched buffer sizes."""
+    for msg in gloo2.run(_divergent_params, (2,), ("sp",)):
+        assert "ranks found different tensors to differentiate" in msg
+        assert "rank 0: 0 inputs + 2 parameters" in msg and "rank 1: 0 inputs + 4 parameters" in msg
+    assert gloo2.run(_gloo_ok, (2,), ("sp",)) == [True, True]  # the processes survived
+
+
+def _gloo_ok(mesh):
+    return True
