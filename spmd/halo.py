@@ -217,7 +217,7 @@ def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str,
               counts: list[int], dim: int) -> list[torch.Tensor]:
     """All-to-all of the planned chunks; ``counts[s]``: how many elements along ``dim``
     arrive from member s (known from the plan, so no shape exchange is needed)."""
-    if axes is None or len(chunks) == 1:
+    if axes is None:  # an unsplit dim: this rank holds it all
         return [c.clone() for c in chunks]
     like = chunks[0].shape
     shapes = [tuple(k if d == dim else v for d, v in enumerate(like)) for k in counts]

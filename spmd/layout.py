@@ -106,6 +106,40 @@ class Layout:
         self._starts = tuple(None if s is None else _cumsum(s) for s in self.sizes)
         self._table: list | None = None
 
+    @classmethod
+    def from_local_shapes(cls, shapes: Mapping[int, Sequence[int]], spec: Any, mesh: Any,
+                          sizes: Mapping[int, Sequence[int]] | None = None) -> Layout:
+        """The layout in which rank r holds a shard of shape ``shapes[r]``.
+
+        Each shard's size is read from the lowest listed rank holding it, unsplit dims
+        from the lowest listed rank; explicit ``sizes`` win. Other ranks are not checked:
+        callers compare them with ``local_shape``/``size_check`` and say what is wrong
+        in their own terms.
+
+        Raises:
+            SpecError: the spec does not fit, or no listed rank holds some shard.
+        """
+        r0 = min(shapes)
+        nd = len(shapes[r0])
+        probe = cls((0,) * nd, spec, mesh)
+        given = _sizes_by_dim(sizes, nd)
+        shape, inferred = list(shapes[r0]), {}
+        for d in probe.split_dims:
+            if isinstance(given.get(d), Sequence) and not isinstance(given[d], str):
+                shape[d] = sum(int(v) for v in given[d])
+                continue
+            per: list[int | None] = [None] * len(probe.sizes[d])
+            for r in sorted(shapes):
+                i = probe.shard_index(r, d)
+                if per[i] is None:
+                    per[i] = int(shapes[r][d])
+            if None in per:
+                raise SpecError(f"no rank's shape was given for shard {per.index(None)} of dim "
+                                f"{d} over {_axes_str(probe.dim_axes(d))}")
+            inferred[d] = per
+            shape[d] = sum(per)
+        return cls(shape, spec, mesh, {**inferred, **given} or None)
+
     # -- queries -----------------------------------------------------------------------
 
     @property
@@ -122,6 +156,13 @@ class Layout:
     @property
     def split_dims(self) -> tuple[int, ...]:
         return tuple(d for d, s in enumerate(self.sizes) if s is not None)
+
+    def owners(self) -> dict[tuple[int, ...], int]:
+        """``{shard key: the lowest rank holding that shard}``, one entry per shard."""
+        out: dict[tuple[int, ...], int] = {}
+        for r in range(math.prod(self.mesh_shape)):
+            out.setdefault(self.shard_key(r), r)
+        return out
 
     def shard_key(self, rank: int) -> tuple[int, ...]:
         """Which shard ``rank`` holds along each split dim (equal for replicas)."""

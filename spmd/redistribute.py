@@ -91,16 +91,9 @@ def _src_layout(x: torch.Tensor, mesh: Mesh, rc: RankContext, spec, sizes) -> La
     # Every rank's shape (int64), to learn the uneven sizes of the split dims.
     group = mesh.group(mesh.axis_names, rc.rank)
     mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-    shapes = [t[0].tolist() for t in mesh.comm.all_gather(
-        mine, group, 0, name="redistribute sizes", sizes=(1,) * group.size)]
-    shape, sizes_d = list(x.shape), {}
-    for d in probe.split_dims:
-        per_idx: dict[int, int] = {}
-        for r in range(mesh.size):
-            per_idx.setdefault(probe.shard_index(r, d), shapes[group.ranks.index(r)][d])
-        sizes_d[d] = [per_idx[i] for i in range(len(per_idx))]
-        shape[d] = sum(sizes_d[d])
-    return Layout(shape, spec, mesh, sizes_d)
+    got = mesh.comm.all_gather(mine, group, 0, name="redistribute sizes", sizes=(1,) * group.size)
+    return Layout.from_local_shapes({r: t[0].tolist() for r, t in zip(group.ranks, got)},
+                                    spec, mesh)
 
 
 def _as_dict(sizes, ndim: int) -> dict[int, list[int]]:

@@ -20,20 +20,18 @@ them; ``gather`` gives their Placeholder a private handle to its autograd node, 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
-from ._context import RankContext, anchor, on_mesh
+from ._context import anchor, on_mesh
 from ._format import describe, shape_str
 from .custom_vjp import custom_vjp
 from .errors import SpecError
-from .layout import Layout, _sizes_by_dim
+from .layout import Layout
 from .mesh import Mesh
 from .placeholder import Placeholder
-from .spec import as_spec, entry_axes
 
 __all__ = ["scatter", "gather", "backward"]
 
@@ -51,12 +49,6 @@ def _check_rank(r: Any, n: int, what: str, name: str) -> int:
         raise SpecError(f"{what}: {name}={r!r} is not a global rank of the mesh "
                         f"(0..{n - 1})")
     return r
-
-
-def _exchange(chunks: list[torch.Tensor], rc: RankContext, group, name: str) -> list[torch.Tensor]:
-    if group.size == 1:
-        return [c.clone() for c in chunks]
-    return rc.mesh.comm.all_to_all(chunks, group, name=name)
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -169,7 +161,7 @@ def _scatter(x, rc, group, lay, si):
         chunks = [lay.shard(x, r) for r in group.ranks]
     else:
         chunks = [x.new_empty(0)] * group.size
-    return _exchange(chunks, rc, group, "scatter")[si]
+    return rc.mesh.comm.all_to_all(chunks, group, name="scatter")[si]
 
 
 def _scatter_fwd(x, rc, group, lay, si):
@@ -182,7 +174,7 @@ def _scatter_bwd(res, g):
     empty = g.new_empty(0)
     chunks = [g.contiguous() if i == si else empty for i in range(group.size)]
     with rc:
-        got = _exchange(chunks, rc, group, "scatter")
+        got = rc.mesh.comm.all_to_all(chunks, group, name="scatter")
     if group.index != si:
         return (g.new_zeros(x_shape), None, None, None, None)
     gx = g.new_zeros(lay.shape)
@@ -273,7 +265,7 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
     lay = _gather_layout(rows, spec, mesh, sizes)
     rg = any(row[1] for row in rows.values())
     receivers = tuple(range(n)) if dst is None else (dst,)
-    plan = _plan(lay, n, receivers)
+    plan = _plan(lay, receivers)
     xin = anchor(x) if rg and torch.is_grad_enabled() else x
     out = _gather(xin, rc, group, lay, plan)
     if rc.rank in receivers:
@@ -294,36 +286,15 @@ def _gather_layout(rows: dict[int, list[int]], spec: Any, mesh: Mesh, sizes: Any
         raise SpecError(f"gather: the shards have different numbers of dims: {got}")
     nd = nds.pop()
     shapes = {r: tuple(row[3:3 + nd]) for r, row in rows.items()}
-    probe = Layout((0,) * nd, spec, mesh)  # spec errors (unknown axes, too many entries)
-    given = _sizes_by_dim(sizes, nd)
-    spec = as_spec(spec)
-    shape = list(shapes[min(shapes)])
-    inferred: dict[int, list[int]] = {}
-    for d in range(nd):
-        if not entry_axes(spec.entry(d)):
-            continue
-        if d in given and isinstance(given[d], Sequence) and not isinstance(given[d], str):
-            shape[d] = sum(int(v) for v in given[d])
-            continue
-        k = probe.axis_size(probe.dim_axes(d))
-        per = [None] * k
-        for r in sorted(shapes):
-            j = probe.shard_index(r, d)
-            if per[j] is None:
-                per[j] = shapes[r][d]
-        inferred[d] = per
-        shape[d] = sum(per)
-    lay = Layout(shape, spec, mesh, {**inferred, **given})
+    lay = Layout.from_local_shapes(shapes, spec, mesh, sizes)
     for r in sorted(shapes):
         lay.size_check(shapes[r], r, "x")
     return lay
 
 
-def _plan(lay: Layout, n: int, receivers: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def _plan(lay: Layout, receivers: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     """For every receiver: the global ranks whose copies it reads (one per shard)."""
-    lowest: dict[tuple, int] = {}
-    for r in range(n):
-        lowest.setdefault(lay.shard_key(r), r)
+    lowest = lay.owners()
     plan = {}
     for r in receivers:
         mine = lay.shard_key(r)
@@ -336,7 +307,7 @@ def _gather(x, rc, group, lay, plan):
     me = rc.rank
     empty = x.new_empty(0)
     chunks = [x if (r != me and r in plan and me in plan[r]) else empty for r in group.ranks]
-    got = _exchange(chunks, rc, group, "gather")
+    got = rc.mesh.comm.all_to_all(chunks, group, name="gather")
     if me not in plan:
         return empty
     out = x.new_empty(lay.shape)
@@ -357,7 +328,7 @@ def _gather_bwd(res, g):
     chunks = [g[lay.slices(s)].contiguous() if (me in plan and s != me and s in plan[me])
               else empty for s in group.ranks]
     with rc:
-        got = _exchange(chunks, rc, group, "gather")
+        got = rc.mesh.comm.all_to_all(chunks, group, name="gather")
     gx = g.new_zeros(x_shape)
     if me in plan:
         gx += g[lay.slices(me)]

@@ -410,7 +410,7 @@ def _rep_factor(lay: Layout) -> int:
 
 def _out_layout(shapes: dict[int, tuple], spec: P, mesh: Mesh, where: str) -> Layout:
     """The global layout implied by each rank's local output shape."""
-    r0 = next(iter(shapes))
+    r0 = min(shapes)
     nd = len(shapes[r0])
     if len(spec) > nd:
         raise SpecError(f"out_specs for {where} is {spec!r} but the output is {nd}-d "
@@ -419,33 +419,22 @@ def _out_layout(shapes: dict[int, tuple], spec: P, mesh: Mesh, where: str) -> La
         if len(s) != nd:
             raise SpecError(f"shard_map: {where} is {shape_str(s)} on rank {r} but "
                             f"{shape_str(shapes[r0])} on rank {r0}")
-    probe = Layout((0,) * nd, spec, mesh)
-    gshape, sizes = [], []
+    lay = Layout.from_local_shapes(shapes, spec, mesh)
     for d in range(nd):
-        axes = probe.dim_axes(d)
-        if not axes:
-            for r, s in shapes.items():
-                if s[d] != shapes[r0][d]:
-                    raise SpecError(
-                        f"shard_map: dim {d} of {where} has size {s[d]} on rank {r} but "
-                        f"{shapes[r0][d]} on rank {r0}; {spec!r} does not split dim {d}, so "
-                        f"every rank must agree (or split it in out_specs)")
-            gshape.append(shapes[r0][d])
-            sizes.append(None)
-            continue
-        n = probe.axis_size(axes)
-        per_idx: list[int | None] = [None] * n
-        for r, s in shapes.items():
-            i = probe.shard_index(r, d)
-            if per_idx[i] is None:
-                per_idx[i] = s[d]
-            elif per_idx[i] != s[d]:
+        axes = lay.dim_axes(d)
+        for r in sorted(shapes):
+            got, want = shapes[r][d], lay.local_shape(r)[d]
+            if got == want:
+                continue
+            if not axes:
                 raise SpecError(
-                    f"shard_map: dim {d} of {where} has size {s[d]} on rank {r} but "
-                    f"{per_idx[i]} on another rank holding the same shard over {axes}")
-        gshape.append(sum(per_idx))
-        sizes.append(tuple(per_idx))
-    return Layout(gshape, spec, mesh, sizes)
+                    f"shard_map: dim {d} of {where} has size {got} on rank {r} but "
+                    f"{want} on rank {r0}; {spec!r} does not split dim {d}, so "
+                    f"every rank must agree (or split it in out_specs)")
+            raise SpecError(
+                f"shard_map: dim {d} of {where} has size {got} on rank {r} but "
+                f"{want} on another rank holding the same shard over {axes}")
+    return lay
 
 
 def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
@@ -454,7 +443,7 @@ def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
     hit = cache.get((shapes, spec))
     if hit is None:
         lay = _out_layout(dict(enumerate(shapes)), spec, mesh, where)
-        owners = _owners(lay, mesh)
+        owners = lay.owners()
         hit = cache[(shapes, spec)] = (lay, owners, _cat_plan(lay, owners))
         if len(cache) > 256:
             cache.pop(next(iter(cache)))
@@ -489,14 +478,6 @@ def _run_cat_plan(plan: Any, vals: list[torch.Tensor]) -> torch.Tensor:
         return _run_cat_plan(kids[0], vals)
     return torch.cat([vals[k].detach() if isinstance(k, int) else _run_cat_plan(k, vals)
                       for k in kids], d)
-
-
-def _owners(lay: Layout, mesh: Mesh) -> dict[tuple, int]:
-    """For each shard, the lowest rank holding it."""
-    owners: dict[tuple, int] = {}
-    for r in range(mesh.size):
-        owners.setdefault(lay.shard_key(r), r)
-    return owners
 
 
 def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
