@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -92,7 +91,6 @@ class Mesh:
         self.timeout: float = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         self._device = None if device is None else torch.device(device)
         self._groups: dict[tuple, Group] = {}
-        self._lock = threading.Lock()
         if backend == "torch":
             if not _dist_initialized():
                 raise SpecError(
