@@ -100,10 +100,32 @@ def halo_pad(x: torch.Tensor, mesh: Mesh, axis: str | tuple[str, ...] | None | S
     else:
         all_sizes = _sizes(x, dim, group, rc, sizes)
         me = group.index
-    plan = _plan(all_sizes, lo, hi, mode, _axes_str(axes), dim)
+    why = check_mode(sum(all_sizes), lo, hi, mode)
+    if why is not None:
+        raise SpecError(f"halo_pad: width ({lo}, {hi}) on dim {dim} along "
+                        f"{_axes_str(axes)} (sizes {list(all_sizes)}): {why}")
     if lo == hi == 0:
         return x
-    return _halo(anchor(x), rc, axes, me, dim, plan, float(value))
+    plan = _plan(all_sizes, halo_ranges(all_sizes, lo, hi), mode)
+    return _fetch(anchor(x), rc, axes, me, dim, plan, float(value), "halo_pad")
+
+
+def fetch_range(x: torch.Tensor, rc: RankContext, axes: tuple[str, ...] | None, dim: int,
+                sizes: tuple[int, ...], ranges: tuple[tuple[int, int], ...], *,
+                mode: str = "constant", value: float = 0.0,
+                name: str = "halo_pad") -> torch.Tensor:
+    """Rank ``r`` of the group over ``axes`` gets the global range ``ranges[r]`` of dim
+    ``dim`` (shards of ``sizes``); positions outside ``[0, sum(sizes))`` follow ``mode``.
+
+    The building block of ``halo_pad`` and of the windowed ops: a range may reach past a
+    neighbour (a wide halo) or stop inside the own shard (a negative halo, a trim). The
+    caller checks the mode can fill the range (``check_mode``). One all-to-all moves
+    exactly the elements a rank lacks (``name`` in ``comm_stats``); backward is its
+    transpose.
+    """
+    me = 0 if axes is None else rc.mesh.group(axes, rc.rank).index
+    plan = _plan(tuple(sizes), tuple(ranges), mode)
+    return _fetch(anchor(x), rc, axes, me, dim, plan, float(value), name)
 
 
 def halo_trim(x: torch.Tensor, dim: int, width: int | tuple[int, int]) -> torch.Tensor:
@@ -125,39 +147,61 @@ def halo_trim(x: torch.Tensor, dim: int, width: int | tuple[int, int]) -> torch.
 
 # -- the plan: pure arithmetic, the same on every rank ------------------------------------------
 
-@lru_cache(maxsize=512)
-def _plan(sizes: tuple[int, ...], lo: int, hi: int, mode: str, axes: str, dim: int):
-    """For every rank r: ``need[r][s]`` = (positions in r's padded shard, local indices in
-    s's shard) of what r gets from s; ``const[r]`` = positions filled with the value."""
+def check_mode(n_glob: int, lo: int, hi: int, mode: str) -> str | None:
+    """Why ``mode`` cannot fill ``lo``/``hi`` positions beyond a global size ``n_glob``
+    (None if it can); the caller words the error."""
+    for w in (lo, hi):
+        if mode == "reflect" and w > max(n_glob - 1, 0):
+            return (f"mode='reflect' needs at most {max(n_glob - 1, 0)} elements per side, "
+                    f"the global size minus one")
+        if mode in ("circular", "replicate") and w > 0 and n_glob == 0:
+            return f"mode={mode!r} cannot pad an empty dim"
+        if mode == "circular" and w > n_glob:
+            return (f"mode='circular' would wrap more than once around the global size "
+                    f"{n_glob}; use at most {n_glob} per side")
+    return None
+
+
+def halo_ranges(sizes: Sequence[int], lo: int, hi: int) -> tuple[tuple[int, int], ...]:
+    """Every rank's global range after padding its shard with ``(lo, hi)``."""
+    out, start = [], 0
+    for s in sizes:
+        out.append((start - lo, start + s + hi))
+        start += s
+    return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _plan(sizes: tuple[int, ...], ranges: tuple[tuple[int, int], ...], mode: str):
+    """Rank r receives the global range ``ranges[r] = (a, b)`` (``a`` may be negative and
+    ``b`` past the end: ``mode`` says what lies there).
+
+    Returns ``(sizes, ranges, own, need, const)``: ``own[r] = (pos, local, n)``, the
+    positions of r's result copied from its own shard; ``need[r][s]`` = (positions in
+    r's result, local indices in s's shard) of what r gets from s; ``const[r]`` =
+    positions filled with the value.
+    """
     n_glob = sum(sizes)
     starts = [0]
     for s in sizes:
         starts.append(starts[-1] + s)
-    for w in (lo, hi):
-        if mode == "reflect" and w > max(n_glob - 1, 0):
-            raise SpecError(
-                f"halo_pad: mode='reflect' width ({lo}, {hi}) on dim {dim} needs at most "
-                f"{max(n_glob - 1, 0)} elements per side, the global size along {axes} minus "
-                f"one (sizes {list(sizes)}); use a smaller width or mode='replicate'")
-        if mode in ("circular", "replicate") and w > 0 and n_glob == 0:
-            raise SpecError(f"halo_pad: mode={mode!r} cannot pad dim {dim}: it is empty "
-                            f"along {axes} (sizes {list(sizes)})")
-        if mode == "circular" and w > n_glob:
-            raise SpecError(
-                f"halo_pad: mode='circular' width ({lo}, {hi}) on dim {dim} wraps more than "
-                f"once around the global size {n_glob} along {axes} (sizes {list(sizes)}); "
-                f"use at most {n_glob} per side")
     owners = [r for r, s in enumerate(sizes) if s > 0]
     owner_starts = [starts[r] for r in owners]
-    need, const = [], []
-    for r, size in enumerate(sizes):
+    own, need, const = [], [], []
+    for r, (a, b) in enumerate(ranges):
+        lo_own, hi_own = max(a, starts[r]), min(b, starts[r + 1])
+        if hi_own <= lo_own:
+            lo_own = hi_own = a
+            own.append((0, 0, 0))
+        else:
+            own.append((lo_own - a, lo_own - starts[r], hi_own - lo_own))
         by_src: dict[int, tuple[list[int], list[int]]] = {}
         cpos: list[int] = []
-        for p in list(range(lo)) + list(range(lo + size, lo + size + hi)):
-            g = starts[r] + p - lo
+        for g0 in list(range(a, lo_own)) + list(range(hi_own, b)):
+            g = g0
             if not 0 <= g < n_glob:
                 if mode == "constant":
-                    cpos.append(p)
+                    cpos.append(g0 - a)
                     continue
                 if mode == "reflect":
                     g = -g if g < 0 else 2 * (n_glob - 1) - g
@@ -165,13 +209,15 @@ def _plan(sizes: tuple[int, ...], lo: int, hi: int, mode: str, axes: str, dim: i
                     g = min(max(g, 0), n_glob - 1)
                 else:  # circular
                     g %= n_glob
+                if not 0 <= g < n_glob:
+                    raise AssertionError(f"{mode} fill of {g0} outside [0, {n_glob})")
             s = owners[bisect.bisect_right(owner_starts, g) - 1]
             pos, idx = by_src.setdefault(s, ([], []))
-            pos.append(p)
+            pos.append(g0 - a)
             idx.append(g - starts[s])
         need.append({s: (tuple(p), tuple(i)) for s, (p, i) in by_src.items()})
         const.append(tuple(cpos))
-    return tuple(sizes), lo, hi, tuple(need), tuple(const)
+    return tuple(sizes), tuple(ranges), tuple(own), tuple(need), tuple(const)
 
 
 def _width(width, what: str = "halo_pad") -> tuple[int, int]:
@@ -236,43 +282,54 @@ def _empty_like_along(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @custom_vjp
-def _halo(x, rc, axes, me, dim, plan, value):
-    sizes, lo, hi, need, const = plan
+def _fetch(x, rc, axes, me, dim, plan, value, name):
+    sizes, ranges, own, need, const = plan
     n = len(sizes)
     # What each rank r needs from me, gathered in the order r placed it.
     chunks = [(_index(x, dim, need[r][me][1]) if me in need[r] else _empty_like_along(x, dim))
               for r in range(n)]
     counts = [len(need[me][s][0]) if s in need[me] else 0 for s in range(n)]
-    recv = _exchange(chunks, rc, axes, "halo_pad", counts, dim)
+    recv = _exchange(chunks, rc, axes, name, counts, dim)
+    a, b = ranges[me]
+    pos, loc, k = own[me]
+    if k == b - a:  # all from the own shard: a slice (a trim or no halo at all)
+        return x.narrow(dim, loc, k).clone()
     shape = list(x.shape)
-    shape[dim] = lo + sizes[me] + hi
+    shape[dim] = b - a
     out = x.new_full(shape, value) if const[me] else x.new_empty(shape)
-    out.narrow(dim, lo, sizes[me]).copy_(x)
-    for s, (pos, _) in need[me].items():
-        out.index_copy_(dim, torch.tensor(pos, dtype=torch.long, device=x.device), recv[s])
+    out.narrow(dim, pos, k).copy_(x.narrow(dim, loc, k))
+    for s, (p, _) in need[me].items():
+        out.index_copy_(dim, torch.tensor(p, dtype=torch.long, device=x.device), recv[s])
     return out
 
 
-def _halo_fwd(x, rc, axes, me, dim, plan, value):
-    return _halo(x, rc, axes, me, dim, plan, value), (rc, axes, me, dim, plan)
+def _fetch_fwd(x, rc, axes, me, dim, plan, value, name):
+    return _fetch(x, rc, axes, me, dim, plan, value, name), (rc, axes, me, dim, plan, name)
 
 
-def _halo_bwd(res, g):
-    """The transpose: halo cotangents go back to their owners, added into their edges."""
-    rc, axes, me, dim, plan = res
-    sizes, lo, hi, need, _ = plan
+def _fetch_bwd(res, g):
+    """The transpose: cotangents go back to their owners, added into their shards."""
+    rc, axes, me, dim, plan, name = res
+    sizes, _, own, need, _ = plan
     n = len(sizes)
     back = [(_index(g, dim, need[me][s][0]) if s in need[me] else _empty_like_along(g, dim))
             for s in range(n)]
     counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
     with rc:
-        got = _exchange(back, rc, axes, "halo_pad", counts, dim)
-    gx = g.narrow(dim, lo, sizes[me]).clone()
+        got = _exchange(back, rc, axes, name, counts, dim)
+    pos, loc, k = own[me]
+    if k == sizes[me]:
+        gx = g.narrow(dim, pos, k).clone()
+    else:
+        shape = list(g.shape)
+        shape[dim] = sizes[me]
+        gx = g.new_zeros(shape)
+        gx.narrow(dim, loc, k).copy_(g.narrow(dim, pos, k))
     for r in range(n):
         if me in need[r]:
             idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
             gx.index_add_(dim, idx, got[r])
-    return gx, None, None, None, None, None, None
+    return gx, None, None, None, None, None, None, None
 
 
-_halo.defvjp(_halo_fwd, _halo_bwd)
+_fetch.defvjp(_fetch_fwd, _fetch_bwd)

@@ -124,7 +124,7 @@ def test_impossible_reflect_raises_on_every_rank():
             return str(e)
 
     msgs = spmd.launch(per_rank, (2,), ("sp",), timeout=10)
-    assert all("mode='reflect' width (4, 0) on dim 0 needs at most 3" in m for m in msgs), msgs
+    assert all("width (4, 0) on dim 0 along axis 'sp' (sizes [2, 2]): mode='reflect' needs at most 3" in m for m in msgs), msgs
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -214,7 +214,7 @@ def test_errors():
         call(axis="tp")
     with pytest.raises(spmd.SpecError, match=r"but sizes=\[3, 1\] says"):
         call(sizes=[3, 1])
-    with pytest.raises(spmd.SpecError, match="circular.*wraps more than once"):
+    with pytest.raises(spmd.SpecError, match="circular.*would wrap more than once"):
         call(width=(5, 0), mode="circular")
     with pytest.raises(spmd.SpecError, match="with dims"):
         spmd.launch(lambda m: spmd.halo_pad(torch.ones(2, 2), m, "sp", (0, 1), (1, 1)), (2,), "sp")
