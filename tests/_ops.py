@@ -1,0 +1,64 @@
+"""Shared by the tests of spmd.ops: run a sharded op through shard_map and the same op on
+one device, both in float64, and compare output, input gradient and parameter gradients.
+
+The output spec given to shard_map is the op's own ``output_layout``, so every run also
+checks that the layout an op reports is the one it produces (shard_map refuses a local
+shape the layout does not expect).
+
+Tolerance: float64 with rtol = atol = 1e-10. The sharded run computes the same products
+as one device, but weight and bias gradients are sums of per-rank partial sums (and a
+conv's input gradient adds halo contributions after the local part), so additions are
+reordered: a few ulps of float64, far below 1e-10 for the O(1)-sized values used here.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+import spmd
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def compare_op(f_local: Callable, f_global: Callable, mesh: spmd.Mesh, in_layout,
+               out_spec, x: torch.Tensor, params: Sequence[torch.Tensor] = (), *,
+               seed: int = 0, tol: dict | None = None, check_grad: bool = True) -> torch.Tensor:
+    """``shard_map(lambda x: f_local(x, *params))`` against ``f_global(x, *params)``.
+
+    ``params`` are closed over by the body (as model weights are), so their gradients
+    come from shard_map's parameter rule. Returns the sharded output.
+    """
+    tol = TOL if tol is None else tol
+    xa = x.detach().clone().requires_grad_(check_grad)
+    xb = x.detach().clone().requires_grad_(check_grad)
+    pa = [p.detach().clone().requires_grad_(check_grad) for p in params]
+    pb = [p.detach().clone().requires_grad_(check_grad) for p in params]
+    y = spmd.shard_map(lambda x: f_local(x, *pa), mesh, in_layout, out_spec)(xa)
+    ref = f_global(xb, *pb)
+    assert y.shape == ref.shape, f"shape {tuple(y.shape)} != single-device {tuple(ref.shape)}"
+    torch.testing.assert_close(y, ref, **tol, msg=lambda m: f"output: {m}")
+    if not check_grad:
+        return y
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=ref.dtype)
+    (y * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, **tol, msg=lambda m: f"input gradient: {m}")
+    for i, (a, b) in enumerate(zip(pa, pb)):
+        assert (a.grad is None) == (b.grad is None), f"param {i}: gradient presence differs"
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, **tol,
+                                       msg=lambda m, i=i: f"param {i} gradient: {m}")
+    return y
+
+
+def split_sizes(draw, st, n: int, parts: int, allow_empty: bool = True) -> list[int]:
+    """Hypothesis: ``parts`` non-negative sizes adding up to ``n`` (uneven, zeros allowed)."""
+    if parts == 1:
+        return [n]
+    cuts = sorted(draw(st.lists(st.integers(0, n), min_size=parts - 1, max_size=parts - 1)))
+    sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
+    if not allow_empty and 0 in sizes:
+        return list(spmd.layout.balanced_sizes(n, parts))
+    return sizes
