@@ -10,6 +10,7 @@ empty; positions outside the global input follow the op's padding mode.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -48,16 +49,23 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
     group = mesh.group(axes, rc.rank)
     mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
     got = mesh.comm.all_gather(mine, group, 0, name=f"{what} sizes", sizes=(1,) * group.size)
-    shapes = {r: tuple(int(v) for v in t[0].tolist()) for r, t in zip(group.ranks, got)}
-    lay = Layout.from_local_shapes(shapes, spec, mesh)
-    for r, shp in shapes.items():  # every rank sees the same shapes: the same error
+    shapes = tuple((r, tuple(int(v) for v in t[0].tolist())) for r, t in zip(group.ranks, got))
+    return rc, _from_shapes(shapes, spec, _MeshOf(mesh), what)
+
+
+@lru_cache(maxsize=256)
+def _from_shapes(shapes: tuple, spec: P, mesh: Any, what: str) -> Layout:
+    """The layout the gathered local shapes imply (cached: a model calls its layers with
+    the same shapes every step)."""
+    lay = Layout.from_local_shapes(dict(shapes), spec, mesh)
+    for r, shp in shapes:  # every rank sees the same shapes: the same error
         if shp != lay.local_shape(r):
             d = next(i for i, (a, b) in enumerate(zip(shp, lay.local_shape(r))) if a != b)
             raise SpecError(
                 f"{what}: x is {list(shp)} on rank {r} but {list(lay.local_shape(r))} is "
                 f"expected there (dim {d} is not split by {spec!r}, so every rank of "
-                f"{axes} must hold all of it)")
-    return rc, lay
+                f"{spec.axes} must hold all of it)")
+    return lay
 
 
 def out_sizes(layout: Layout, dim: int, n_out: int, keep: bool) -> tuple[int, ...] | None:
@@ -119,8 +127,18 @@ def out_layout(layout: Layout, shape: Sequence[int], sizes: dict[int, tuple[int,
 
 
 class _MeshOf:
-    def __init__(self, layout: Layout):
-        self.axis_names, self.shape = layout.axis_names, layout.mesh_shape
+    """Axis names and shape of a mesh or layout: all a Layout needs, hashable."""
+
+    def __init__(self, of: Any):
+        self.axis_names = tuple(of.axis_names)
+        self.shape = tuple(of.mesh_shape if isinstance(of, Layout) else of.shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MeshOf) and (self.axis_names, self.shape) == (
+            other.axis_names, other.shape)
+
+    def __hash__(self) -> int:
+        return hash((self.axis_names, self.shape))
 
 
 def refuse_split(layout: Layout, dims: Sequence[int], what: str, why: str) -> None:

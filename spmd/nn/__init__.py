@@ -1,0 +1,20 @@
+"""Drop-in domain-parallel layers (``spmd.nn.Conv2d``, ...) and ``spmd.nn.convert``.
+
+Each layer is a subclass of its ``torch.nn`` twin with the same parameters and
+``state_dict`` keys; its forward runs the ``spmd.ops`` version on this rank's shard.
+No monkey patching: ``convert`` returns a copy of the model with the layers swapped.
+"""
+from .convert import UNSAFE, convert
+from .modules import (
+    SHARDED,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    Pad,
+)
+
+__all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
+           "ConvTranspose2d", "ConvTranspose3d", "Pad"]

@@ -1,0 +1,107 @@
+"""spmd.nn: the drop-in layers equal their torch twins on one device (values and
+gradients, float64, tolerance in tests/_ops.py), keep state_dict keys so checkpoints load
+both ways, and convert() swaps layers in a copy, refusing layers that would be wrong
+on shards.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _ops import F64, TOL
+from torch import nn
+
+import spmd
+from spmd import Layout, P
+
+SPEC = P(None, None, "sp")
+
+
+def _compare_module(sharded, plain, mesh, x, in_spec=SPEC, out_spec=SPEC):
+    xa = x.clone().requires_grad_()
+    xb = x.clone().requires_grad_()
+    y = spmd.shard_map(sharded, mesh, in_spec, out_spec)(xa)
+    ref = plain(xb)
+    torch.testing.assert_close(y, ref, **TOL)
+    w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(0))
+    (y * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, **TOL)
+    for (n, a), (_, b) in zip(sharded.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: (nn.Conv1d(2, 3, 4, stride=2, padding=1), spmd.nn.Conv1d, (1, 2, 13)),
+    lambda **kw: (nn.Conv2d(2, 4, 3, padding="same", padding_mode="circular", bias=False),
+                  spmd.nn.Conv2d, (2, 2, 7, 5)),
+    lambda **kw: (nn.Conv3d(2, 2, (3, 1, 2), dilation=(2, 1, 1), padding_mode="reflect",
+                            padding=(2, 0, 1)), spmd.nn.Conv3d, (1, 2, 9, 3, 4)),
+    lambda **kw: (nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1),
+                  spmd.nn.ConvTranspose1d, (1, 2, 6)),
+    lambda **kw: (nn.ConvTranspose2d(2, 2, 2, stride=2, groups=2), spmd.nn.ConvTranspose2d,
+                  (1, 2, 5, 3)),
+    lambda **kw: (nn.ConvTranspose3d(2, 1, 3, padding=1), spmd.nn.ConvTranspose3d, (1, 2, 5, 2, 2)),
+], ids=["conv1d", "conv2d", "conv3d", "convt1d", "convt2d", "convt3d"])
+def test_converted_layers_match_torch(make):
+    plain, twin, shape = make()
+    plain = plain.double()
+    mesh = spmd.Mesh((3,), ("sp",))
+    sharded = spmd.nn.convert(plain, mesh, SPEC)
+    assert type(sharded) is twin and isinstance(sharded, type(plain))
+    assert sharded.weight is not plain.weight  # a copy
+    x = torch.randn(shape, dtype=F64)
+    _compare_module(sharded, plain, mesh, x)
+
+
+def test_checkpoints_load_both_ways():
+    mesh = spmd.Mesh((2,), ("sp",))
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.ReflectionPad2d(1),
+                        nn.Conv2d(4, 4, 3), nn.ConvTranspose2d(4, 1, 2, stride=2))
+    sharded = spmd.nn.convert(net, mesh, SPEC)
+    assert list(sharded.state_dict()) == list(net.state_dict())
+    fresh = spmd.nn.convert(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(),
+                                          nn.ReflectionPad2d(1), nn.Conv2d(4, 4, 3),
+                                          nn.ConvTranspose2d(4, 1, 2, stride=2)), mesh, SPEC)
+    fresh.load_state_dict(net.state_dict())
+    back = copy.deepcopy(net)
+    for p in back.parameters():
+        p.data.zero_()
+    back.load_state_dict(fresh.state_dict())
+    x = torch.randn(1, 1, 6, 6)
+    y = spmd.shard_map(fresh, mesh, SPEC, SPEC)(x)
+    torch.testing.assert_close(y, back(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, net(x), rtol=1e-5, atol=1e-5)
+    assert isinstance(sharded[2], spmd.nn.Pad) and sharded[2].mode == "reflect"
+    assert type(sharded[0].to_torch()) is nn.Conv2d
+
+
+def test_convert_leaves_the_model_alone_and_refuses_unsafe_layers():
+    mesh = spmd.Mesh((2,), ("sp",))
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    with pytest.raises(spmd.SpecError, match=r"1 is a BatchNorm2d.*allow=\(BatchNorm2d,\)"):
+        spmd.nn.convert(net, mesh, SPEC)
+    out = spmd.nn.convert(net, mesh, SPEC, allow=(nn.BatchNorm2d,))
+    assert type(net[0]) is nn.Conv2d and type(out[0]) is spmd.nn.Conv2d
+    assert type(out[1]) is nn.BatchNorm2d
+
+
+def test_conv_transpose_output_size_is_global():
+    mesh = spmd.Mesh((3,), ("sp",))
+    plain = nn.ConvTranspose1d(2, 2, 3, stride=2, padding=1).double()
+    sharded = spmd.nn.convert(plain, mesh, SPEC)
+    x = torch.randn(1, 2, 7, dtype=F64)
+    y = spmd.shard_map(lambda x: sharded(x, output_size=[14]), mesh, SPEC, SPEC)(x)
+    torch.testing.assert_close(y, plain(x, output_size=[14]), **TOL)
+
+
+def test_a_layer_constructed_directly():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    spec = P("dp", None, "sp")
+    conv = spmd.nn.Conv2d(2, 3, 3, padding=1, padding_mode="replicate", mesh=mesh, spec=spec).double()
+    plain = nn.Conv2d(2, 3, 3, padding=1, padding_mode="replicate").double()
+    plain.load_state_dict(conv.state_dict())
+    assert "mesh=Mesh(dp=2, sp=2" in repr(conv)
+    lay = Layout((4, 2, 9, 4), spec, mesh, {2: [2, 7]})
+    _compare_module(conv, plain, mesh, torch.randn(4, 2, 9, 4, dtype=F64), lay, spec)
