@@ -4,6 +4,14 @@ Each op takes this rank's shard plus ``mesh=`` and ``spec=`` (a ``P`` or a ``Lay
 returns this rank's shard of the single-device result, moves only the halo elements it
 needs, and has an ``output_layout(layout, ...)`` that says how its output is split.
 """
+from .adaptive_pool import (
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
+    adaptive_max_pool1d,
+    adaptive_max_pool2d,
+    adaptive_max_pool3d,
+)
 from .conv import (
     conv1d,
     conv2d,
@@ -13,6 +21,17 @@ from .conv import (
     conv_transpose3d,
 )
 from .pad import pad
+from .pool import (
+    avg_pool1d,
+    avg_pool2d,
+    avg_pool3d,
+    max_pool1d,
+    max_pool2d,
+    max_pool3d,
+)
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-           "conv_transpose3d", "pad"]
+           "conv_transpose3d", "pad",
+           "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+           "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
+           "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"]
