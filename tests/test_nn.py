@@ -43,14 +43,25 @@ def _compare_module(sharded, plain, mesh, x, in_spec=SPEC, out_spec=SPEC):
     lambda **kw: (nn.ConvTranspose2d(2, 2, 2, stride=2, groups=2), spmd.nn.ConvTranspose2d,
                   (1, 2, 5, 3)),
     lambda **kw: (nn.ConvTranspose3d(2, 1, 3, padding=1), spmd.nn.ConvTranspose3d, (1, 2, 5, 2, 2)),
-], ids=["conv1d", "conv2d", "conv3d", "convt1d", "convt2d", "convt3d"])
+    lambda **kw: (nn.MaxPool1d(3, 2, padding=1, ceil_mode=True), spmd.nn.MaxPool1d, (1, 2, 10)),
+    lambda **kw: (nn.MaxPool2d(2), spmd.nn.MaxPool2d, (1, 2, 9, 4)),
+    lambda **kw: (nn.MaxPool3d(2, 1, dilation=2), spmd.nn.MaxPool3d, (1, 1, 7, 3, 3)),
+    lambda **kw: (nn.AvgPool1d(3, 1, 1, count_include_pad=False), spmd.nn.AvgPool1d, (1, 2, 7)),
+    lambda **kw: (nn.AvgPool2d(3, 2, 1, divisor_override=2), spmd.nn.AvgPool2d, (1, 2, 9, 5)),
+    lambda **kw: (nn.AvgPool3d(2, ceil_mode=True), spmd.nn.AvgPool3d, (1, 1, 5, 3, 3)),
+    lambda **kw: (nn.AdaptiveMaxPool1d(4), spmd.nn.AdaptiveMaxPool1d, (1, 2, 11)),
+    lambda **kw: (nn.AdaptiveAvgPool2d((5, None)), spmd.nn.AdaptiveAvgPool2d, (1, 2, 7, 3)),
+    lambda **kw: (nn.AdaptiveAvgPool3d(2), spmd.nn.AdaptiveAvgPool3d, (1, 1, 6, 3, 3)),
+], ids=["conv1d", "conv2d", "conv3d", "convt1d", "convt2d", "convt3d", "maxpool1d", "maxpool2d",
+        "maxpool3d", "avgpool1d", "avgpool2d", "avgpool3d", "adamax1d", "adaavg2d", "adaavg3d"])
 def test_converted_layers_match_torch(make):
     plain, twin, shape = make()
     plain = plain.double()
     mesh = spmd.Mesh((3,), ("sp",))
     sharded = spmd.nn.convert(plain, mesh, SPEC)
     assert type(sharded) is twin and isinstance(sharded, type(plain))
-    assert sharded.weight is not plain.weight  # a copy
+    for a, b in zip(sharded.parameters(), plain.parameters()):
+        assert a is not b and torch.equal(a, b)  # a copy
     x = torch.randn(shape, dtype=F64)
     _compare_module(sharded, plain, mesh, x)
 

@@ -7,14 +7,29 @@ No monkey patching: ``convert`` returns a copy of the model with the layers swap
 from .convert import UNSAFE, convert
 from .modules import (
     SHARDED,
+    AdaptiveAvgPool1d,
+    AdaptiveAvgPool2d,
+    AdaptiveAvgPool3d,
+    AdaptiveMaxPool1d,
+    AdaptiveMaxPool2d,
+    AdaptiveMaxPool3d,
+    AvgPool1d,
+    AvgPool2d,
+    AvgPool3d,
     Conv1d,
     Conv2d,
     Conv3d,
     ConvTranspose1d,
     ConvTranspose2d,
     ConvTranspose3d,
+    MaxPool1d,
+    MaxPool2d,
+    MaxPool3d,
     Pad,
 )
 
 __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
-           "ConvTranspose2d", "ConvTranspose3d", "Pad"]
+           "ConvTranspose2d", "ConvTranspose3d", "Pad",
+           "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+           "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d"]

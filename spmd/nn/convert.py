@@ -52,7 +52,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *,
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(),
-        ...                           torch.nn.ReflectionPad2d(1))
+        ...                           torch.nn.MaxPool2d(2))
         >>> sharded = spmd.nn.convert(net, mesh, P(None, None, "sp"))
         >>> [type(m).__module__.split(".")[0] for m in sharded]
         ['spmd', 'torch', 'spmd']

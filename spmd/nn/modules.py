@@ -17,7 +17,9 @@ from ..mesh import Mesh
 from ..ops._window import input_layout
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
-           "Pad", "SHARDED"]
+           "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+           "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Pad", "SHARDED"]
 
 
 class _Sharded:
@@ -26,6 +28,10 @@ class _Sharded:
     mesh: Mesh
     spec: Any
     _torch_base: type[nn.Module]
+
+    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.mesh, self.spec = mesh, spec
 
     @classmethod
     def from_torch(cls, module: nn.Module, mesh: Mesh, spec: Any) -> nn.Module:
@@ -48,10 +54,6 @@ class _Sharded:
         return f"{super().extra_repr()}, mesh={self.mesh!r}, spec={self.spec!r}"
 
 
-def _init(self, mesh: Mesh, spec: Any) -> None:
-    self.mesh, self.spec = mesh, spec
-
-
 # -- convolutions -------------------------------------------------------------------------------
 
 class _ConvN(_Sharded):
@@ -65,10 +67,6 @@ class Conv1d(_ConvN, nn.Conv1d):
     """``nn.Conv1d`` on a shard; ``spmd.nn.Conv1d(2, 4, 3, padding=1, mesh=mesh,
     spec=P(None, None, "sp"))``. See ``spmd.ops.conv1d``."""
     _torch_base, _n = nn.Conv1d, 1
-
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
 
 
 class Conv2d(_ConvN, nn.Conv2d):
@@ -87,18 +85,10 @@ class Conv2d(_ConvN, nn.Conv2d):
     """
     _torch_base, _n = nn.Conv2d, 2
 
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
-
 
 class Conv3d(_ConvN, nn.Conv3d):
     """``nn.Conv3d`` on a shard. See ``spmd.ops.conv3d``."""
     _torch_base, _n = nn.Conv3d, 3
-
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
 
 
 class _ConvTransposeN(_Sharded):
@@ -122,27 +112,57 @@ class ConvTranspose1d(_ConvTransposeN, nn.ConvTranspose1d):
     ``spmd.ops.conv_transpose1d``."""
     _torch_base, _n = nn.ConvTranspose1d, 1
 
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
-
 
 class ConvTranspose2d(_ConvTransposeN, nn.ConvTranspose2d):
     """``nn.ConvTranspose2d`` on a shard (``output_size`` is the global size)."""
     _torch_base, _n = nn.ConvTranspose2d, 2
-
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
 
 
 class ConvTranspose3d(_ConvTransposeN, nn.ConvTranspose3d):
     """``nn.ConvTranspose3d`` on a shard (``output_size`` is the global size)."""
     _torch_base, _n = nn.ConvTranspose3d, 3
 
-    def __init__(self, *args: Any, mesh: Mesh, spec: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        _init(self, mesh, spec)
+
+# -- pooling -------------------------------------------------------------------------------------
+
+class _Pool(_Sharded):
+    _op: str
+
+    def forward(self, x: torch.Tensor):
+        return getattr(ops, self._op)(x, *self._args(self), mesh=self.mesh, spec=self.spec)
+
+
+_POOL_ARGS = {
+    "MaxPool": lambda m: (m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode,
+                          m.return_indices),
+    "AvgPool": lambda m: (m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
+                          *([m.divisor_override] if hasattr(m, "divisor_override") else [])),
+    "AdaptiveMaxPool": lambda m: (m.output_size, m.return_indices),
+    "AdaptiveAvgPool": lambda m: (m.output_size,),
+}
+
+
+def _pool_twin(kind: str, n: int) -> type:
+    base = getattr(nn, f"{kind}{n}d")
+    op = "adaptive_" * kind.startswith("Adaptive") + kind.removeprefix("Adaptive")[:3].lower() \
+        + f"_pool{n}d"
+    return type(base.__name__, (_Pool, base), {
+        "_torch_base": base, "_op": op, "_args": staticmethod(_POOL_ARGS[kind]),
+        "__module__": __name__,
+        "__doc__": f"``nn.{base.__name__}`` on a shard (same arguments plus ``mesh=``, "
+                   f"``spec=``). See ``spmd.ops.{op}``.",
+    })
+
+
+MaxPool1d, MaxPool2d, MaxPool3d = (_pool_twin("MaxPool", n) for n in (1, 2, 3))
+AvgPool1d, AvgPool2d, AvgPool3d = (_pool_twin("AvgPool", n) for n in (1, 2, 3))
+AdaptiveMaxPool1d, AdaptiveMaxPool2d, AdaptiveMaxPool3d = (
+    _pool_twin("AdaptiveMaxPool", n) for n in (1, 2, 3))
+AdaptiveAvgPool1d, AdaptiveAvgPool2d, AdaptiveAvgPool3d = (
+    _pool_twin("AdaptiveAvgPool", n) for n in (1, 2, 3))
+_POOLS = [MaxPool1d, MaxPool2d, MaxPool3d, AvgPool1d, AvgPool2d, AvgPool3d, AdaptiveMaxPool1d,
+          AdaptiveMaxPool2d, AdaptiveMaxPool3d, AdaptiveAvgPool1d, AdaptiveAvgPool2d,
+          AdaptiveAvgPool3d]
 
 
 # -- padding layers --------------------------------------------------------------------------
@@ -163,9 +183,9 @@ class Pad(_Sharded, nn.Module):
 
     def __init__(self, padding: tuple[int, ...], mode: str = "constant", value: float = 0.0, *,
                  mesh: Mesh, spec: Any):
-        super().__init__()
+        nn.Module.__init__(self)
         self.padding, self.mode, self.value = tuple(padding), mode, value
-        _init(self, mesh, spec)
+        self.mesh, self.spec = mesh, spec
 
     @classmethod
     def from_torch(cls, module: nn.Module, mesh: Mesh, spec: Any) -> nn.Module:
@@ -199,4 +219,5 @@ SHARDED: dict[type[nn.Module], type[_Sharded]] = {
     nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
     nn.ConvTranspose3d: ConvTranspose3d,
     **{t: Pad for t in _PAD_LAYERS},
+    **{t._torch_base: t for t in _POOLS},
 }
