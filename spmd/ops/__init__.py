@@ -12,6 +12,7 @@ from .conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from .interpolate import interpolate
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-           "conv_transpose3d"]
+           "conv_transpose3d", "interpolate"]
