@@ -50,4 +50,4 @@ def _nearest_x2_bytes(mesh):
 def test_interpolate_world_2(gloo2):
     assert gloo2.run(_cases, (2,), ("sp",), args=(CASES_2,)) == [[True] * len(CASES_2)] * 2
     got = gloo2.run(_nearest_x2_bytes, (2,), ("sp",))
-    assert [b for b, _ in got] == [0, 0] and all(c >= 2 for _, c in got), got
+    assert got == [(0, 0), (0, 0)], got  # every rank reads only its own rows: no exchange

@@ -10,8 +10,8 @@ taps are the ones torch's CPU kernel uses for a contiguous input.
 
 The output is partitioned first (as the input along a dim whose size is unchanged,
 balanced otherwise); each rank then fetches the global input range its output rows read
-(only taps with a non-zero weight count, so e.g. nearest x2 on aligned shards moves
-nothing) and applies the taps with ``index_select`` and a weighted sum, one dim at a
+(only taps with a non-zero weight count; where every rank reads only its own rows, as
+nearest x2 on aligned shards does, there is no exchange at all) and applies the taps with ``index_select`` and a weighted sum, one dim at a
 time. Autograd differentiates that (``index_select``'s backward is ``index_add``), and
 the fetch's backward sends halo gradients home.
 
@@ -189,7 +189,8 @@ def _prune(idx: np.ndarray, w: np.ndarray | None, L: int):
         return idx, w, bool(len(rows) == L and (idx[0] == rows).all())
     main = idx[np.abs(w).argmax(0), rows]
     idx = np.where(w == 0, main[None], idx)
-    ident = bool(len(rows) == L and (idx == rows).all() and ((w == 0) | (w == 1)).all() and ((w == 1).sum(0) == 1).all())
+    ident = bool(len(rows) == L and (idx == rows).all() and ((w == 0) | (w == 1)).all()
+                 and ((w == 1).sum(0) == 1).all())
     return idx, w, ident
 
 
@@ -206,7 +207,8 @@ def _out_len(L: int, s: float, recompute: bool) -> int:
 @lru_cache(maxsize=256)
 def _plan(layout: Layout, mode: str, sizes: tuple[int, ...] | None,
           scales: tuple[float, ...] | None, align_corners: bool | None, recompute: bool):
-    """(output layout, per spatial dim: (dim, idx, w, identity, member ranges))."""
+    """(output layout, per spatial dim: (dim, idx, w, identity, member ranges, local)),
+    ``local`` where every member's range lies in its own shard: nothing to fetch."""
     n = len(layout.shape) - 2
     L = layout.shape[2:]
     if sizes is not None:
@@ -231,7 +233,10 @@ def _plan(layout: Layout, mode: str, sizes: tuple[int, ...] | None,
         idx, w, ident = _prune(*taps, L[i])
         window = lambda o0, o1, idx=idx: (int(idx[:, o0:o1].min()), int(idx[:, o0:o1].max()) + 1)
         ranges = member_ranges(out_split[dim] or (M[i],), window)
-        dims.append((dim, idx, w, ident, ranges))
+        starts = np.cumsum((0,) + (layout.sizes[dim] or (L[i],)))
+        local = all(a == b or s0 <= a and b <= s1
+                    for (a, b), s0, s1 in zip(ranges, starts[:-1], starts[1:]))
+        dims.append((dim, idx, w, ident, ranges, local))
     return out_layout(layout, shape, out_split), tuple(dims)
 
 
@@ -348,15 +353,18 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None,
     grow = [d for d in todo if out_lay.shape[d[0]] >= lay.shape[d[0]]]
     y, local = x, {}
     for group in [[d] for d in shrink] + [grow]:
-        for dim, idx, w, _, ranges in group:
+        for dim, idx, w, _, ranges, in_shard in group:
             if lay.sizes[dim] is None:
                 local[dim] = (idx, w)
                 continue
             k = lay.shard_index(rc.rank, dim)
             o0 = sum(out_lay.sizes[dim][:k])
             o1 = o0 + out_lay.sizes[dim][k]
-            y = fetch(y, rc, lay, dim, ranges, name=_WHAT)
-            local[dim] = (idx[:, o0:o1] - ranges[k][0], w if w is None else w[:, o0:o1])
+            if in_shard:  # every rank reads only its own rows: no exchange at all
+                start = sum(lay.sizes[dim][:k])
+            else:
+                y, start = fetch(y, rc, lay, dim, ranges, name=_WHAT), ranges[k][0]
+            local[dim] = (idx[:, o0:o1] - start, w if w is None else w[:, o0:o1])
         for dim, *_ in group:
             y = _apply(y, dim, *local[dim])
     return y.clone() if y is x else y
