@@ -20,6 +20,7 @@ from .conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from .interpolate import interpolate
 from .pad import pad
 from .pool import (
     avg_pool1d,
@@ -31,7 +32,7 @@ from .pool import (
 )
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-           "conv_transpose3d", "pad",
+           "conv_transpose3d", "pad", "interpolate",
            "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
            "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"]
