@@ -52,14 +52,17 @@ def _compare_module(sharded, plain, mesh, x, in_spec=SPEC, out_spec=SPEC):
     lambda **kw: (nn.AdaptiveMaxPool1d(4), spmd.nn.AdaptiveMaxPool1d, (1, 2, 11)),
     lambda **kw: (nn.AdaptiveAvgPool2d((5, None)), spmd.nn.AdaptiveAvgPool2d, (1, 2, 7, 3)),
     lambda **kw: (nn.AdaptiveAvgPool3d(2), spmd.nn.AdaptiveAvgPool3d, (1, 1, 6, 3, 3)),
+    lambda **kw: (nn.Upsample(scale_factor=1.5, mode="bicubic"), spmd.nn.Upsample, (1, 2, 7, 4)),
+    lambda **kw: (nn.UpsamplingBilinear2d(scale_factor=2), spmd.nn.Upsample, (1, 2, 5, 3)),
 ], ids=["conv1d", "conv2d", "conv3d", "convt1d", "convt2d", "convt3d", "maxpool1d", "maxpool2d",
-        "maxpool3d", "avgpool1d", "avgpool2d", "avgpool3d", "adamax1d", "adaavg2d", "adaavg3d"])
+        "maxpool3d", "avgpool1d", "avgpool2d", "avgpool3d", "adamax1d", "adaavg2d", "adaavg3d",
+        "upsample", "upsampling_bilinear"])
 def test_converted_layers_match_torch(make):
     plain, twin, shape = make()
     plain = plain.double()
     mesh = spmd.Mesh((3,), ("sp",))
     sharded = spmd.nn.convert(plain, mesh, SPEC)
-    assert type(sharded) is twin and isinstance(sharded, type(plain))
+    assert type(sharded) is twin and isinstance(sharded, twin._torch_base)
     for a, b in zip(sharded.parameters(), plain.parameters()):
         assert a is not b and torch.equal(a, b)  # a copy
     x = torch.randn(shape, dtype=F64)

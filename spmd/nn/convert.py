@@ -22,7 +22,7 @@ UNSAFE: tuple[type[nn.Module], ...] = (
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm,
     nn.LocalResponseNorm, nn.Flatten, nn.Unflatten, nn.Fold, nn.Unfold, nn.PixelShuffle,
     nn.PixelUnshuffle, nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoderLayer,
-    nn.TransformerDecoderLayer, nn.Upsample,
+    nn.TransformerDecoderLayer,
 )
 
 
@@ -74,8 +74,6 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *,
         for name, child in parent.named_children():
             full = f"{path}.{name}" if path else name
             twin = mapping.get(type(child))
-            if twin is None and isinstance(child, nn.Upsample):
-                twin = mapping.get(nn.Upsample)  # UpsamplingNearest2d, UpsamplingBilinear2d
             if twin is not None:
                 swaps.append((parent, name, twin.from_torch(child, mesh, spec)))
             elif isinstance(child, UNSAFE) and not isinstance(child, allowed):

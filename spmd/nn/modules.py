@@ -19,7 +19,8 @@ from ..ops._window import input_layout
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
            "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
-           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Pad", "SHARDED"]
+           "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Pad", "Upsample",
+           "SHARDED"]
 
 
 class _Sharded:
@@ -165,6 +166,21 @@ _POOLS = [MaxPool1d, MaxPool2d, MaxPool3d, AvgPool1d, AvgPool2d, AvgPool3d, Adap
           AdaptiveAvgPool3d]
 
 
+class Upsample(_Sharded, nn.Upsample):
+    """``nn.Upsample`` (and ``nn.UpsamplingNearest2d``/``UpsamplingBilinear2d``, which
+    ``convert`` turns into this) on a shard. See ``spmd.ops.interpolate``."""
+    _torch_base = nn.Upsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
+                               self.recompute_scale_factor, mesh=self.mesh, spec=self.spec)
+
+    def to_torch(self) -> nn.Module:
+        base = nn.Upsample.__new__(nn.Upsample)
+        base.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("mesh", "spec")})
+        return base
+
+
 # -- padding layers --------------------------------------------------------------------------
 
 class Pad(_Sharded, nn.Module):
@@ -220,4 +236,5 @@ SHARDED: dict[type[nn.Module], type[_Sharded]] = {
     nn.ConvTranspose3d: ConvTranspose3d,
     **{t: Pad for t in _PAD_LAYERS},
     **{t._torch_base: t for t in _POOLS},
+    nn.Upsample: Upsample, nn.UpsamplingNearest2d: Upsample, nn.UpsamplingBilinear2d: Upsample,
 }
