@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from hypothesis import strategies as st
 
 import spmd
+from spmd import Layout, P
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -62,3 +64,47 @@ def split_sizes(draw, st, n: int, parts: int, allow_empty: bool = True) -> list[
     if not allow_empty and 0 in sizes:
         return list(spmd.layout.balanced_sizes(n, parts))
     return sizes
+
+
+def mesh_and_spec(draw, n: int, *, channels: bool = False) -> tuple[spmd.Mesh, P]:
+    """Hypothesis: a mesh and the spec of an (N, C, *n spatial dims) input split over it:
+    1-4 ranks over dim 2, 2-3 over the last dim, a (2, 2) mesh over two spatial dims or
+    over dim 2 as the product of both axes, the batch split too (dp, sp), and with
+    ``channels`` the channels split too (c, sp)."""
+    kinds = ["1d", "dp_sp", "xy"] + (["c_sp"] if channels else []) + (
+        ["2d", "1d_last"] if n >= 2 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "1d":
+        return spmd.Mesh((draw(st.integers(1, 4)),), ("sp",)), P(None, None, "sp")
+    if kind == "1d_last":
+        return spmd.Mesh((draw(st.integers(2, 3)),), ("sp",)), P(*([None] * (n + 1)), "sp")
+    if kind == "2d":
+        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, "x", "y")
+    if kind == "xy":
+        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, ("x", "y"))
+    if kind == "c_sp":
+        return spmd.Mesh((2, 2), ("c", "sp")), P(None, "c", "sp")
+    return spmd.Mesh((2, 2), ("dp", "sp")), P("dp", None, "sp")
+
+
+def drawn_layout(draw, shape, mesh, spec, *, spatial_only: bool = False) -> Layout:
+    """Hypothesis: a layout of ``shape`` with uneven (zeros included) sizes on split dims
+    (only the spatial ones, dims >= 2, with ``spatial_only``)."""
+    lay = Layout(shape, spec, mesh)
+    sizes = {d: split_sizes(draw, st, shape[d], len(lay.sizes[d])) for d in lay.split_dims
+             if d >= 2 or not spatial_only}
+    return Layout(shape, spec, mesh, sizes or None)
+
+
+def errors_on_every_rank(fn: Callable, ranks: int = 2):
+    """Run ``fn(mesh)`` on every rank of a threads mesh; return each rank's
+    (error type, message), and the communication that happened."""
+    def per_rank(mesh):
+        try:
+            fn(mesh)
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            return type(e), str(e)
+        return None, ""
+    with spmd.comm_stats() as stats:
+        got = spmd.launch(per_rank, (ranks,), ("sp",), timeout=10)
+    return got, stats

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, compare_op, split_sizes
+from _ops import F64, compare_op, drawn_layout, errors_on_every_rank, mesh_and_spec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -19,26 +19,6 @@ MODES = ["zeros", "reflect", "replicate", "circular"]
 
 # torch's own reference warns about 'same' with even kernels; not ours to act on
 pytestmark = pytest.mark.filterwarnings("ignore:Using padding='same':UserWarning")
-
-
-def _mesh_and_spec(draw, n: int):
-    """A mesh and the spec of an (N, C, *spatial) input split over it."""
-    kind = draw(st.sampled_from(["1d", "dp_sp"] + (["2d", "1d_w"] if n >= 2 else [])))
-    if kind == "1d":
-        r = draw(st.integers(1, 4))
-        return spmd.Mesh((r,), ("sp",)), P(None, None, "sp")
-    if kind == "1d_w":
-        r = draw(st.integers(2, 3))
-        return spmd.Mesh((r,), ("sp",)), P(None, None, None, "sp")
-    if kind == "2d":
-        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, "x", "y")
-    return spmd.Mesh((2, 2), ("dp", "sp")), P("dp", None, "sp")
-
-
-def _layout(draw, shape, mesh, spec):
-    lay = Layout(shape, spec, mesh)
-    sizes = {d: split_sizes(draw, st, shape[d], len(lay.sizes[d])) for d in lay.split_dims}
-    return Layout(shape, spec, mesh, sizes)
 
 
 def _torch_conv(n, w, b, stride, padding, dilation, groups, mode):
@@ -61,7 +41,7 @@ def _torch_conv(n, w, b, stride, padding, dilation, groups, mode):
 
 @st.composite
 def conv_cases(draw, n):
-    mesh, spec = _mesh_and_spec(draw, n)
+    mesh, spec = mesh_and_spec(draw, n)
     lens = [draw(st.integers(1, 14) if n == 1 else st.integers(2, 9)) for _ in range(n)]
     batch = 2 if "dp" in mesh.axis_names else draw(st.integers(1, 2))
     groups = draw(st.sampled_from([1, 2]))
@@ -78,7 +58,7 @@ def conv_cases(draw, n):
                "pairs": tuple((draw(st.integers(0, 3)), draw(st.integers(0, 3))) for _ in range(n))}[kind]
     mode = draw(st.sampled_from(MODES))
     shape = (batch, c_in, *lens)
-    lay = _layout(draw, shape, mesh, spec)
+    lay = drawn_layout(draw, shape, mesh, spec)
     return dict(n=n, mesh=mesh, lay=lay, shape=shape, k=k, stride=stride, dilation=dilation,
                 padding=padding, groups=groups, c_out=c_out, mode=mode,
                 bias=draw(st.booleans()), by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
@@ -130,7 +110,7 @@ def test_conv2d_matches_single_device(c):
 
 @st.composite
 def convt_cases(draw, n):
-    mesh, spec = _mesh_and_spec(draw, n)
+    mesh, spec = mesh_and_spec(draw, n)
     lens = [draw(st.integers(1, 12 if n == 1 else 6)) for _ in range(n)]
     batch = 2 if "dp" in mesh.axis_names else 1
     groups = draw(st.sampled_from([1, 2]))
@@ -138,7 +118,7 @@ def convt_cases(draw, n):
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(n))
     out_pad = tuple(draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
     shape = (batch, 2 * groups, *lens)
-    return dict(n=n, mesh=mesh, lay=_layout(draw, shape, mesh, spec), shape=shape,
+    return dict(n=n, mesh=mesh, lay=drawn_layout(draw, shape, mesh, spec), shape=shape,
                 k=tuple(draw(st.integers(1, 4)) for _ in range(n)), stride=stride,
                 dilation=dilation, padding=tuple(draw(st.integers(0, 3)) for _ in range(n)),
                 output_padding=out_pad, groups=groups, c_out=draw(st.sampled_from([1, 3])),
@@ -319,19 +299,6 @@ def test_bytes_moved_equal_the_halo_bytes(k, stride, padding, sizes):
 
 # -- bad input -----------------------------------------------------------------------------------
 
-def _errors_on_every_rank(fn, ranks=2):
-    """Run ``fn(mesh)`` on every rank; return each rank's (error type, message)."""
-    def per_rank(mesh):
-        try:
-            fn(mesh)
-        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-            return type(e), str(e)
-        return None, ""
-    with spmd.comm_stats() as stats:
-        got = spmd.launch(per_rank, (ranks,), ("sp",), timeout=10)
-    return got, stats
-
-
 def test_torch_refusals_raise_runtime_error_on_every_rank():
     s = P(None, None, "sp")
     cases = {
@@ -349,7 +316,7 @@ def test_torch_refusals_raise_runtime_error_on_every_rank():
                         "strided"),
     }
     for name, (fn, text) in cases.items():
-        got, _ = _errors_on_every_rank(fn)
+        got, _ = errors_on_every_rank(fn)
         assert all(t is RuntimeError and text in m for t, m in got), (name, got)
 
 
@@ -366,7 +333,7 @@ def test_sharded_only_refusals_raise_spec_error_before_any_communication():
                                                mesh=m, spec=P(None, None, "tp")), "'tp'"),
     }
     for name, (fn, text) in cases.items():
-        got, stats = _errors_on_every_rank(fn)
+        got, stats = errors_on_every_rank(fn)
         assert all(t is spmd.SpecError and text in m for t, m in got), (name, got)
         assert stats.calls() == 0, (name, str(stats))
 

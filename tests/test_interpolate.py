@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, TOL, compare_op, split_sizes
+from _ops import F64, TOL, compare_op, drawn_layout, errors_on_every_rank, mesh_and_spec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
@@ -24,33 +24,9 @@ MODES = {1: ["nearest", "nearest-exact", "linear"],
 SCALES = [0.5, 0.6, 0.75, 1.0, 1.1, 1.3, 1.5, 2.0, 2.1, 2.5, 3.0, 1 / 3, 2, 3]
 
 
-def _mesh_and_spec(draw, n: int):
-    """A mesh and the spec of an (N, C, *spatial) input split over it."""
-    kinds = ["1d", "dp_sp", "c_sp", "xy"] + (["2d", "1d_last"] if n >= 2 else [])
-    kind = draw(st.sampled_from(kinds))
-    if kind == "1d":
-        return spmd.Mesh((draw(st.integers(1, 4)),), ("sp",)), P(None, None, "sp")
-    if kind == "1d_last":
-        return spmd.Mesh((draw(st.integers(2, 3)),), ("sp",)), P(*([None] * (n + 1)), "sp")
-    if kind == "2d":
-        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, "x", "y")
-    if kind == "xy":  # one dim split over the product of two axes
-        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, ("x", "y"))
-    if kind == "c_sp":
-        return spmd.Mesh((2, 2), ("c", "sp")), P(None, "c", "sp")
-    return spmd.Mesh((2, 2), ("dp", "sp")), P("dp", None, "sp")
-
-
-def _layout(draw, shape, mesh, spec):
-    lay = Layout(shape, spec, mesh)
-    sizes = {d: split_sizes(draw, st, shape[d], len(lay.sizes[d])) for d in lay.split_dims
-             if d >= 2}
-    return Layout(shape, spec, mesh, sizes or None)
-
-
 @st.composite
 def cases(draw, n):
-    mesh, spec = _mesh_and_spec(draw, n)
+    mesh, spec = mesh_and_spec(draw, n, channels=True)
     lens = [draw(st.integers(1, 12 if n == 1 else 6 if n == 2 else 4)) for _ in range(n)]
     shape = (2, 2, *lens)
     mode = draw(st.sampled_from(MODES[n]))
@@ -68,7 +44,7 @@ def cases(draw, n):
         kw["recompute_scale_factor"] = draw(st.sampled_from([None, False, True]))
     if mode not in ("nearest", "nearest-exact"):
         kw["align_corners"] = draw(st.sampled_from([None, False, True]))
-    return dict(mesh=mesh, lay=_layout(draw, shape, mesh, spec), shape=shape, kw=kw,
+    return dict(mesh=mesh, lay=drawn_layout(draw, shape, mesh, spec, spatial_only=True), shape=shape, kw=kw,
                 by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
 
 
@@ -287,18 +263,6 @@ def test_bytes_moved_are_the_rows_the_output_reads(mode, scale, sizes, zero):
 
 # -- bad input -----------------------------------------------------------------------------------
 
-def _errors_on_every_rank(fn, ranks=2):
-    def per_rank(mesh):
-        try:
-            fn(mesh)
-        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
-            return type(e), str(e)
-        return None, ""
-    with spmd.comm_stats() as stats:
-        got = spmd.launch(per_rank, (ranks,), ("sp",), timeout=10)
-    return got, stats
-
-
 @pytest.mark.parametrize("shape,kw", [
     ((1, 2, 4), dict(size=3, scale_factor=2)),
     ((1, 2, 4), dict(size=3, align_corners=True)),
@@ -321,7 +285,7 @@ def test_argument_refusals_match_torch_on_every_rank_before_any_communication(sh
     with pytest.raises(Exception) as ref:
         F.interpolate(torch.randn(shape), **kw)
     spec = P(*([None] * (len(shape) - 1)), "sp")
-    got, stats = _errors_on_every_rank(
+    got, stats = errors_on_every_rank(
         lambda m: interpolate(torch.randn(shape), mesh=m, spec=spec, **kw))
     assert [t for t, _ in got] == [ref.type] * 2, (got, ref.value)
     assert stats.calls() == 0, str(stats)
@@ -334,7 +298,7 @@ def test_global_size_refusals_raise_runtime_error_on_every_rank():
         with pytest.raises(RuntimeError):
             F.interpolate(torch.randn(shape), **kw)
         local = torch.randn(shape[:2] + (3,)), torch.randn(shape[:2] + (shape[2] - 3,))
-        got, stats = _errors_on_every_rank(
+        got, stats = errors_on_every_rank(
             lambda m, local=local, kw=kw: interpolate(local[m.rank], mesh=m,
                                                       spec=P(None, None, "sp"), **kw))
         assert all(t is RuntimeError for t, _ in got), got
@@ -347,7 +311,7 @@ def test_what_torch_accepts_but_we_do_not_is_not_implemented():
              ((1, 2, 4, 4), dict(size=6, mode="bicubic", antialias=True))]
     for shape, kw in cases:
         F.interpolate(torch.randn(shape), **kw)
-        got, _ = _errors_on_every_rank(
+        got, _ = errors_on_every_rank(
             lambda m, shape=shape, kw=kw: interpolate(torch.randn(shape), mesh=m,
                                                       spec=P(None, None, "sp"), **kw))
         assert all(t is NotImplementedError for t, _ in got), got

@@ -9,38 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, compare_op, split_sizes
+from _ops import F64, compare_op, drawn_layout, errors_on_every_rank, mesh_and_spec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from test_conv import _errors_on_every_rank, _halo_rows
+from test_conv import _halo_rows
 
 import spmd
 from spmd import Layout, P
 
 EXACT = dict(rtol=0, atol=0, equal_nan=True)
-
-
-def _mesh_and_spec(draw, n: int):
-    """A mesh and the spec of an (N, C, *spatial) input split over it."""
-    kinds = ["1d", "dp_sp", "ch"] + (["2d", "1d_w"] if n >= 2 else [])
-    kind = draw(st.sampled_from(kinds))
-    if kind == "1d":
-        r = draw(st.integers(1, 4))
-        return spmd.Mesh((r,), ("sp",)), P(None, None, "sp")
-    if kind == "1d_w":
-        r = draw(st.integers(2, 3))
-        return spmd.Mesh((r,), ("sp",)), P(None, None, None, "sp")
-    if kind == "2d":
-        return spmd.Mesh((2, 2), ("x", "y")), P(None, None, "x", "y")
-    if kind == "ch":  # pooling is per channel: the channels may be split too
-        return spmd.Mesh((2, 2), ("c", "sp")), P(None, "c", "sp")
-    return spmd.Mesh((2, 2), ("dp", "sp")), P("dp", None, "sp")
-
-
-def _layout(draw, shape, mesh, spec):
-    lay = Layout(shape, spec, mesh)
-    sizes = {d: split_sizes(draw, st, shape[d], len(lay.sizes[d])) for d in lay.split_dims}
-    return Layout(shape, spec, mesh, sizes)
 
 
 def _input(shape, values: str, seed: int) -> torch.Tensor:
@@ -118,7 +95,7 @@ def run_pool(c):
 
 @st.composite
 def pool_cases(draw, n, kind):
-    mesh, spec = _mesh_and_spec(draw, n)
+    mesh, spec = mesh_and_spec(draw, n, channels=True)
     lo_len, hi_len, hi_k = {1: (1, 14, 4), 2: (1, 8, 4), 3: (2, 5, 3)}[n]
     lens = [draw(st.integers(lo_len, hi_len)) for _ in range(n)]
     batch = 2 if "dp" in mesh.axis_names else draw(st.integers(1, 2))
@@ -139,13 +116,13 @@ def pool_cases(draw, n, kind):
         if n > 1 and draw(st.integers(0, 3)) == 0:
             kw["divisor_override"] = draw(st.sampled_from([-3, 0, 1, 2, 5]))
         values = "randn"
-    return dict(op=f"{kind}_pool{n}d", kw=kw, mesh=mesh, lay=_layout(draw, shape, mesh, spec),
+    return dict(op=f"{kind}_pool{n}d", kw=kw, mesh=mesh, lay=drawn_layout(draw, shape, mesh, spec),
                 values=values, by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
 
 
 @st.composite
 def adaptive_cases(draw, n, kind):
-    mesh, spec = _mesh_and_spec(draw, n)
+    mesh, spec = mesh_and_spec(draw, n, channels=True)
     hi_len = {1: 14, 2: 8, 3: 5}[n]
     lens = [draw(st.integers(1, hi_len)) for _ in range(n)]
     batch = 2 if "dp" in mesh.axis_names else draw(st.integers(1, 2))
@@ -160,7 +137,7 @@ def adaptive_cases(draw, n, kind):
         kw["return_indices"] = draw(st.booleans())
         values = draw(st.sampled_from(["randn", "ties", "-inf"]))
     return dict(op=f"adaptive_{kind}_pool{n}d", kw=kw, mesh=mesh,
-                lay=_layout(draw, shape, mesh, spec), values=values,
+                lay=drawn_layout(draw, shape, mesh, spec), values=values,
                 by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
 
 
@@ -399,13 +376,13 @@ def test_torch_refusals_raise_runtime_error_on_every_rank_before_data_moves():
                      "greater than or equal"),
     }
     for name, (fn, text) in cases.items():
-        got, stats = _errors_on_every_rank(fn)
+        got, stats = errors_on_every_rank(fn)
         assert all(t is RuntimeError and text in m for t, m in got), (name, got)
         assert stats.calls() == 0, (name, str(stats))
 
 
 def test_integer_inputs_are_refused_on_every_rank():
-    got, stats = _errors_on_every_rank(
+    got, stats = errors_on_every_rank(
         lambda m: spmd.ops.max_pool2d(torch.zeros(1, 1, 2, 4, dtype=torch.long), 2, mesh=m,
                                       spec=P(None, None, "sp")))
     assert all(t is NotImplementedError and "floating" in m for t, m in got), got
