@@ -165,6 +165,7 @@ class GradSync:
         except BaseException:
             self.close()
             raise
+        self._lock = threading.Lock()
         self._enabled = True  # False inside no_sync()
         self._dirty = False  # a synchronised backward produced gradients not yet waited for
         self._next = 0  # the next bucket to start, in plan order
@@ -423,7 +424,10 @@ def _hook(ref: weakref.ref, i: int):
     def hook(p: torch.Tensor) -> None:
         s = ref()
         if s is not None:
-            s._ready(i, p)
+            # Autograd runs the hooks of parameters on different devices on different
+            # threads: the plan-order bookkeeping must see one at a time.
+            with s._lock:
+                s._ready(i, p)
     return hook
 
 
