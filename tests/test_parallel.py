@@ -329,12 +329,12 @@ def _misuse(mesh):
     except RuntimeError as e:
         out.append(str(e))
     sync.wait()
-    try:
-        spmd.parallel.GradSync(model, mesh, "dp")  # the same parameters, a second sync
-    except spmd.SpecError as e:
-        out.append(str(e))
-    sync.close()
-    spmd.parallel.GradSync(model, mesh, "dp")  # fine once the first is closed
+    sync2 = spmd.parallel.GradSync(model, mesh, "dp")  # replaces the first (closes it)
+    out.append((sync._closed, sync2._closed))
+    model.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    out.append((sync._dirty, sync2._dirty))  # only the second one's hooks fired
+    sync2.wait()
     return out
 
 
@@ -342,13 +342,25 @@ def test_misuse_is_reported():
     out = spmd.launch(_misuse, (2,), "dp", timeout=20)[0]
     assert "parameter 'bias' got a gradient twice before sync.wait()" in out[0]
     assert "a backward ran under no_sync() while gradients" in out[1]
-    assert "parameter 'weight' is already synchronised by a GradSync on rank 0" in out[2]
+    assert out[2] == (True, False) and out[3] == (False, True)
 
 
 def _shared_model(mesh, model):
-    sync = spmd.parallel.GradSync(model, mesh, "dp", init=None)
-    mesh.comm.barrier(mesh.group("dp"))  # both ranks built theirs before either returns
-    del sync
+    spmd.parallel.GradSync(model, mesh, "dp", init=None)
+
+
+def _sparse(mesh):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    spmd.parallel.GradSync(emb, mesh, "dp")  # the hooks keep it alive
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+    except NotImplementedError as e:
+        return str(e)
+
+
+def test_sparse_gradients_are_refused_clearly():
+    msg = spmd.launch(_sparse, (1,), "dp")[0]
+    assert "parameter 'weight' got a torch.sparse_coo gradient; only dense" in msg
 
 
 def test_ranks_sharing_one_model_on_a_threads_mesh_are_refused():

@@ -35,7 +35,7 @@ INITS = ("broadcast", "verify", None)
 # alive, so the ids stay theirs): two of them hooking one parameter is the mistake of
 # ranks of a threads mesh sharing one model.
 _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_owners_lock = threading.Lock()
+_owners_lock = threading.RLock()
 
 
 class GradSync:
@@ -86,7 +86,9 @@ class GradSync:
           ``zero_grad()``), as on one device. Which is which travels in the buckets'
           all-reduce (one element per parameter), so nothing hangs or costs a
           collective more.
-        - Double backward (``create_graph=True``) is not supported.
+        - Double backward (``create_graph=True``) and sparse gradients are not supported.
+        - Build it after moving the model to its device and dtype. A new GradSync over
+          the same parameters on the same rank replaces the old one (closes it).
 
     On a threads mesh used from ordinary code (``shard_map`` in the global view), all
     ranks share the Parameter objects and their gradients add up by themselves: the
@@ -173,10 +175,9 @@ class GradSync:
         self._order: list[int] | None = [] if learn_order else None  # the first ready order
         self._seen: set[int] = set()
         self._build(list(reversed(range(len(self._params)))))
-        ref = weakref.ref(self)
+        # The hooks keep the GradSync alive as long as the parameters live.
         for i, p in enumerate(self._params):
-            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(ref, i)))
-        weakref.finalize(self, _remove, self._hooks)
+            self._hooks.append(p.register_post_accumulate_grad_hook(_hook(self, i)))
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -234,6 +235,11 @@ class GradSync:
             self._seen.add(i)
             self._order.append(i)
         b, j = self._where[i]
+        if p.grad is not None and p.grad.layout != torch.strided:
+            raise NotImplementedError(
+                f"{self._what}: parameter {self._names[i]!r} got a {p.grad.layout} gradient; "
+                f"only dense gradients are supported (e.g. nn.Embedding(sparse=False)), or "
+                f"leave it out with ignore=[{self._names[i]!r}] and reduce it yourself")
         self._used[i] = True
         if not self._enabled:
             if self._dirty:
@@ -340,13 +346,7 @@ class GradSync:
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Make ``optimizer.step()`` call ``wait()`` first; returns the hook's handle."""
-        ref = weakref.ref(self)
-
-        def pre_step(*_):
-            s = ref()
-            if s is not None:
-                s.wait()
-        return optimizer.register_step_pre_hook(pre_step)
+        return optimizer.register_step_pre_hook(lambda *_: self.wait())
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -406,28 +406,30 @@ class GradSync:
                 f"{len(self._buckets)} buckets, rank {self.rank})")
 
     def _claim(self) -> None:
+        """Own the parameters: a GradSync of this rank over them is replaced (closed); one
+        of another rank means the ranks of a threads mesh share one model."""
         with _owners_lock:
             for n, p in zip(self._names, self._params):
                 other = _owners.get(id(p))
-                if other is not None and other is not self and not other._closed:
-                    where = (f"rank {other.rank}" if getattr(other, "rank", None) is not None
-                             else "another")
-                    raise SpecError(
-                        f"{self._what}: parameter {n!r} is already synchronised by a GradSync "
-                        f"on {where}; on a threads mesh every rank builds its own model "
-                        f"(copy.deepcopy per rank), and a replaced GradSync must be close()d")
+                if other is None or other is self or other._closed or other.rank == self.rank:
+                    continue
+                raise SpecError(
+                    f"{self._what}: parameter {n!r} is already synchronised by a GradSync "
+                    f"on rank {other.rank}; on a threads mesh every rank builds its own "
+                    f"model (copy.deepcopy per rank)")
             for p in self._params:
+                other = _owners.get(id(p))
+                if other is not None and other is not self and not other._closed:
+                    other.close()  # replaced by this one, on the same rank
                 _owners[id(p)] = self
 
 
-def _hook(ref: weakref.ref, i: int):
+def _hook(sync: GradSync, i: int):
     def hook(p: torch.Tensor) -> None:
-        s = ref()
-        if s is not None:
-            # Autograd runs the hooks of parameters on different devices on different
-            # threads: the plan-order bookkeeping must see one at a time.
-            with s._lock:
-                s._ready(i, p)
+        # Autograd runs the hooks of parameters on different devices on different
+        # threads: the plan-order bookkeeping must see one at a time.
+        with sync._lock:
+            sync._ready(i, p)
     return hook
 
 
