@@ -187,7 +187,8 @@ class GradSync:
 
         Before the first synchronised iteration it follows the reverse of the module's
         definition order (backward usually runs last layer first); after it, with
-        ``learn_order``, the order in which rank 0's gradients became ready.
+        ``learn_order``, the order in which the gradients of the group's first rank
+        became ready (every rank of the group adopts it).
         """
         return [b.info() for b in self._buckets]
 
