@@ -60,6 +60,27 @@ def test_all_reduce_async_world2(gloo2):
     _check_async(gloo2.run(_async, (2,), "dp", args=("dp",)), (2,), "dp", "dp")
 
 
+def _async_validated(mesh, mismatch):
+    """SPMD_VALIDATE's check runs before the transfer starts: a size mismatch is a
+    CommError on every rank (gloo would abort the process otherwise)."""
+    mesh.comm.validate = True
+    try:
+        n = 3 + (mesh.rank if mismatch else 0)
+        w = mesh.comm.all_reduce_async(torch.ones(n), "sum", mesh.group("dp"), name="grad_sync")
+        return w.wait()
+    except spmd.CommError as e:
+        return str(e)
+    finally:
+        mesh.comm.validate = False
+
+
+def test_all_reduce_async_validated_world2(gloo2):
+    assert all(torch.equal(t, torch.full((3,), 2.0))
+               for t in gloo2.run(_async_validated, (2,), "dp", args=(False,)))
+    for msg in gloo2.run(_async_validated, (2,), "dp", args=(True,)):
+        assert "grad_sync over axis 'dp': rank 0 passed f32[3] but rank 1 passed f32[4]" in msg
+
+
 def test_all_reduce_async_2x2(gloo4):
     args = ((2, 2), ("dp", "sp"), ("sp", "dp"))
     _check_async(gloo4.run(_async, args[0], args[1], args=(args[2],)), *args)
