@@ -19,7 +19,8 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   shapes across ranks before each collective, at the cost of one more small collective,
   and raises the same ``CommError`` on every rank instead of hanging or aborting.
 - The caller's tensors are never modified; results are new tensors (results of one
-  ``all_gather``/``all_to_all`` may share one receive buffer).
+  ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
+  ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
 """
 from __future__ import annotations
 

@@ -6,6 +6,10 @@ each computes its own result from all payloads. Since every rank sees every payl
 mismatched ops, shapes and dtypes are caught exactly and reported on every rank, and a
 timeout names exactly the ranks that did not arrive. Results never alias another rank's
 tensors (a real transport copies too).
+
+``exchange`` is two halves, ``_arrive`` (deposit; the last member computes) and
+``_collect`` (wait for the result): ``all_reduce_async`` deposits and returns, and its
+``wait()`` collects.
 """
 from __future__ import annotations
 
