@@ -31,6 +31,9 @@ each step, after a barrier outside the timed region; times are taken on rank 0 w
                     behind backward (0 = none, 1 = all; noise can push it below 0)
     DDP comm        median(DDP) - median(local): what communication adds to a DDP step
 
+Then per-phase medians on rank 0 (forward with zero_grad, backward, wait, step) say where
+the time goes, and the bucket plans are printed.
+
 The goal (issue 5): ratio <= 1.0.
 """
 from __future__ import annotations
@@ -104,23 +107,32 @@ def per_rank(mesh, name: str, steps: int, warmup: int, caps: tuple[float, float]
     waits: list[float] = []
     clock = time.perf_counter
 
+    phases: dict[str, list[tuple[float, ...]]] = {"DDP": [], "GradSync": [], "local": []}
+
+    def run(v, model, opt, sync=None):
+        t0 = clock()
+        opt.zero_grad()
+        loss = mse(model(x), y)
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        if sync is not None:
+            sync.wait()
+        t3 = clock()
+        opt.step()
+        t4 = clock()
+        phases[v].append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+        if sync is not None:
+            waits.append(t3 - t2)
+
     def step_ddp():
-        ddp_opt.zero_grad()
-        mse(ddp(x), y).backward()
-        ddp_opt.step()
+        run("DDP", ddp, ddp_opt)
 
     def step_gs():
-        gs_opt.zero_grad()
-        mse(gs_model(x), y).backward()
-        t = clock()
-        sync.wait()
-        waits.append(clock() - t)
-        gs_opt.step()
+        run("GradSync", gs_model, gs_opt, sync)
 
     def step_local():
-        local_opt.zero_grad()
-        mse(local(x), y).backward()
-        local_opt.step()
+        run("local", local, local_opt)
 
     variants = {"DDP": step_ddp, "GradSync": step_gs, "local": step_local}
     names = list(variants)
@@ -146,7 +158,9 @@ def per_rank(mesh, name: str, steps: int, warmup: int, caps: tuple[float, float]
         for w in works:
             w.wait()
         alone.append(clock() - t)
-    return {"times": times, "waits": waits, "alone": alone,
+    phase_ms = {v: [statistics.median(p[k] for p in ps[warmup:]) * 1e3 for k in range(4)]
+                for v, ps in phases.items()}
+    return {"times": times, "waits": waits, "alone": alone, "phases": phase_ms,
             "buckets": [repr(b) for b in sync.buckets]}
 
 
@@ -203,7 +217,7 @@ def main(argv=None) -> int:
     print("| model | DDP ms | GradSync ms | local ms | ratio | ratio range | exposed ms | "
           "alone ms | overlap | DDP comm ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    plans = {}
+    plans, phase_tables = {}, {}
     for m in models:
         res = spmd.launch(per_rank, (2,), ("dp",), backend="gloo",
                           args=(m, a.steps, a.warmup, (a.bucket_cap_mb, a.first_bucket_cap_mb)),
@@ -211,6 +225,11 @@ def main(argv=None) -> int:
         row, _ = report(m, res)
         print(row, flush=True)
         plans[m] = res[0]["buckets"]
+        phase_tables[m] = res[0]["phases"]
+    print("\nPhases on rank 0, median ms (forward incl. zero_grad | backward | wait | step):")
+    for m, ph in phase_tables.items():
+        print(f"  {m}: " + "; ".join(f"{v} " + " | ".join(f"{t:.1f}" for t in ts)
+                                    for v, ts in ph.items()))
     print("\nGradSync bucket plans (after the first step):")
     for m, p in plans.items():
         print(f"  {m}:")
