@@ -258,6 +258,39 @@ def test_plan_is_inspectable_and_learning_can_be_switched_off():
     assert sum(sizes) == 8 * sum(p.numel() for p in model.parameters())
 
 
+class _Transposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64).t())  # strides (1, 3)
+        self.v = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+
+def _non_contiguous(mesh, model, x):
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, "dp")
+    for _ in range(2):  # the second iteration runs on the learned plan
+        model.zero_grad()
+        ((x[mesh.rank] @ model.w) * model.v).sum().backward()
+        sync.wait()
+    bufs = {b.buffer.untyped_storage().data_ptr() for b in sync._buckets}
+    return ([p.grad.clone() for p in (model.w, model.v)],
+            [p.grad.untyped_storage().data_ptr() in bufs for p in (model.w, model.v)],
+            model.w.grad.stride())
+
+
+def test_non_contiguous_parameter_takes_the_copy_path():
+    torch.manual_seed(10)
+    model, x = _Transposed(), torch.randn(2, 5, 3, dtype=torch.float64)
+    got = spmd.launch(_non_contiguous, (2,), "dp", args=(model, x))
+    ref = copy.deepcopy(model)
+    sum(((x[r] @ ref.w) * ref.v).sum() for r in range(2)).div(2).backward()
+    for grads, in_bucket, stride in got:
+        assert in_bucket == [False, True]  # w keeps its own gradient, v lives in the bucket
+        assert stride == ref.w.grad.stride() == (1, 3)
+        for g, p in zip(grads, (ref.w, ref.v)):
+            torch.testing.assert_close(g, p.grad, **TOL)
+
+
 def _comm_counts(mesh, model):
     model = copy.deepcopy(model)
     sync = spmd.parallel.GradSync(model, mesh, "dp", first_bucket_cap_mb=1e-4,
