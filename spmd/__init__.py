@@ -2,7 +2,7 @@
 
 Importing spmd changes nothing global.
 """
-from . import nn, ops
+from . import nn, ops, parallel
 from .collectives import (
     all_gather,
     all_to_all,
@@ -38,5 +38,5 @@ __all__ = [
     "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
-    "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn",
+    "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel",
 ]

@@ -13,14 +13,33 @@ import torch
 
 from ..mesh import Group
 
-__all__ = ["Comm", "REDUCE_OPS"]
+__all__ = ["Comm", "Work", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "max", "min")
+
+
+class Work(Protocol):
+    """A started asynchronous collective."""
+
+    def wait(self) -> torch.Tensor:
+        """Block (bounded by the mesh's timeout) until it finished; return its result.
+
+        Raises ``CommTimeout`` naming the ranks that did not arrive, like blocking ops.
+        """
 
 
 class Comm(Protocol):
     def all_reduce(self, x: torch.Tensor, op: str, group: Group, *, name: str) -> torch.Tensor:
         """Elementwise reduction of ``x`` over the group; same shape on every member."""
+
+    def all_reduce_async(self, x: torch.Tensor, op: str, group: Group, *,
+                         name: str) -> Work:
+        """Start reducing contiguous ``x`` over the group, in place; return at once.
+
+        ``work.wait()`` returns ``x`` holding the result. Until then ``x`` must not be
+        read or written. It counts as a collective of the group like the blocking ops:
+        every member starts the same collectives in the same order.
+        """
 
     def all_gather(self, x: torch.Tensor, group: Group, dim: int, *, name: str,
                    sizes: tuple[int, ...] | None = None) -> list[torch.Tensor]:

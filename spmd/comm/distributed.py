@@ -19,7 +19,8 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   shapes across ranks before each collective, at the cost of one more small collective,
   and raises the same ``CommError`` on every rank instead of hanging or aborting.
 - The caller's tensors are never modified; results are new tensors (results of one
-  ``all_gather``/``all_to_all`` may share one receive buffer).
+  ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
+  ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
 """
 from __future__ import annotations
 
@@ -186,6 +187,27 @@ class TorchComm:
         y = _copy(x)
         self._call(dist.all_reduce, name, group, rec, seq, _reducible(y), op=rop)
         return y
+
+    def all_reduce_async(self, x, op, group, *, name):
+        # In place on the caller's buffer (no copy: this is the bucket path); the wait,
+        # not the start, is bounded by the timeout and reports failures.
+        count("all_reduce_async", name, group, x=x)
+        rop = _rop(op, x.dtype, name)
+        if not x.is_contiguous():
+            raise SpecError(f"{name}: all_reduce_async reduces in place and needs a "
+                            f"contiguous tensor, got {shape_str(x.shape, x.dtype)} with "
+                            f"strides {x.stride()}")
+        if group.size == 1:
+            return _TorchWork(self, None, x, name, group, None, 0)
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        if self.validate:
+            self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
+        try:
+            work = dist.all_reduce(_reducible(x.detach()), op=rop, group=rec.pg, async_op=True)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq) from e
+        return _TorchWork(self, work, x, name, group, rec, seq)
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
         count("all_gather", name, group, x=x)
@@ -435,6 +457,23 @@ class TorchComm:
                 _check_rows([p[j] for p in per], group, name, skip_dim=skip_dim,
                             chunk=j if op == "reduce_scatter" else None)
         return per
+
+
+class _TorchWork:
+    """An all_reduce_async in flight on a process group."""
+
+    __slots__ = ("comm", "work", "x", "name", "group", "rec", "seq")
+
+    def __init__(self, comm: TorchComm, work, x: torch.Tensor, name: str, group: Group,
+                 rec: _PG | None, seq: int):
+        self.comm, self.work, self.x, self.name = comm, work, x, name
+        self.group, self.rec, self.seq = group, rec, seq
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            self.comm._wait(work, self.name, self.group, self.rec, self.seq)
+        return self.x
 
 
 class _Progress:

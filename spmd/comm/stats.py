@@ -30,8 +30,9 @@ class CommStats:
     - ``all_gather``: its part's bytes times (group size - 1);
     - ``psum_scatter`` / ``all_to_all``: the bytes of the blocks meant for other ranks;
     - ``broadcast``: the tensor's bytes times (group size - 1) on the source, else 0;
-    - ``psum`` (and pmean, pmax, pmin): its contribution's bytes (what crosses the wire
-      beyond that depends on the reduction algorithm).
+    - ``psum`` (and pmean, pmax, pmin) and asynchronous all-reduces (``GradSync``'s
+      buckets): its contribution's bytes (what crosses the wire beyond that depends on
+      the reduction algorithm).
 
     Only payloads count: the torch backend's int64 metadata exchanges (sizes, when
     ``sizes=`` is not given; ``SPMD_VALIDATE=1``) do not.
@@ -103,7 +104,7 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=N
     n, me = group.size, group.index
     if n == 1 or kind == "barrier":
         nbytes = 0
-    elif kind == "all_reduce":
+    elif kind in ("all_reduce", "all_reduce_async"):
         nbytes = x.nbytes
     elif kind == "all_gather":
         nbytes = x.nbytes * (n - 1)

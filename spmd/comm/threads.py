@@ -6,6 +6,10 @@ each computes its own result from all payloads. Since every rank sees every payl
 mismatched ops, shapes and dtypes are caught exactly and reported on every rank, and a
 timeout names exactly the ranks that did not arrive. Results never alias another rank's
 tensors (a real transport copies too).
+
+``exchange`` is two halves, ``_arrive`` (deposit; the last member computes) and
+``_collect`` (wait for the result): ``all_reduce_async`` deposits and returns, and its
+``wait()`` collects.
 """
 from __future__ import annotations
 
@@ -17,8 +21,9 @@ from typing import Any
 import torch
 
 from .._format import describe
-from ..errors import CommAborted, CommError, CommTimeout
+from ..errors import CommAborted, CommError, CommTimeout, SpecError
 from ..mesh import Group, Mesh
+from .base import REDUCE_OPS
 from .stats import count
 
 __all__ = ["ThreadComm"]
@@ -56,13 +61,23 @@ class ThreadComm:
         ``combine`` runs once, on the last rank to arrive, outside the lock; what it
         raises is raised on every member.
         """
-        key = (group.axes, group.ranks)
-        sk = (key, group.rank)
+        if group.size == 1:
+            self._next_seq(group)
+            return combine([payload]) if combine is not None else [payload]
+        return self._collect(group, self._arrive(group, op, payload, name, combine), name)
+
+    def _next_seq(self, group: Group) -> int:
+        sk = ((group.axes, group.ranks), group.rank)
         seq = self._seq.get(sk, 0)
         self._seq[sk] = seq + 1  # only this rank's thread touches its own counter
+        return seq
+
+    def _arrive(self, group: Group, op: str, payload: Any, name: str,
+                combine: Callable[[list[Any]], Any] | None) -> tuple[tuple, _Slot]:
+        """Deposit this member's payload without waiting (the first half of exchange)."""
+        key = (group.axes, group.ranks)
+        seq = self._next_seq(group)
         n = group.size
-        if n == 1:
-            return combine([payload]) if combine is not None else [payload]
         with self._lock:
             if self._aborted is not None:
                 raise CommAborted(f"{name} on rank {group.rank}: cancelled because another "
@@ -89,6 +104,12 @@ class ThreadComm:
             with self._lock:
                 slot.result, slot.done = result, True
                 slot.cond.notify_all()
+        return (key, seq), slot
+
+    def _collect(self, group: Group, arrival: tuple[tuple, _Slot], name: str) -> Any:
+        """Wait (bounded by the timeout) until every member arrived; the result."""
+        slot_key, slot = arrival
+        n = group.size
         with self._lock:
             if not slot.done and slot.error is None:
                 deadline = time.monotonic() + self.mesh.timeout
@@ -99,7 +120,7 @@ class ThreadComm:
                     slot.cond.wait(left)
             slot.reads += 1
             if slot.reads == n:
-                self._slots.pop((key, seq), None)
+                self._slots.pop(slot_key, None)
             if slot.error is not None:
                 e = slot.error
                 raise type(e)(*e.args) if isinstance(e, CommError) else e
@@ -140,6 +161,24 @@ class ThreadComm:
             _same_meta(xs, group, name)
             return _reduce(xs, op)
         return _copy(self.exchange(group, f"all_reduce({op})", x, name=name, combine=combine), x.device)
+
+    def all_reduce_async(self, x, op, group, *, name):
+        # Deposits and returns: only wait() blocks. The sum is computed once, in rank
+        # order, by the last member to deposit, so every member gets the same bits.
+        count("all_reduce_async", name, group, x=x)
+        if op not in REDUCE_OPS:
+            raise SpecError(f"{name}: reduction op must be one of {REDUCE_OPS}, got {op!r}")
+        if not x.is_contiguous():
+            raise SpecError(f"{name}: all_reduce_async reduces in place and needs a "
+                            f"contiguous tensor, got {describe(x)} with strides {x.stride()}")
+        def combine(xs):
+            _same_meta(xs, group, name)
+            return _reduce(xs, op)
+        if group.size == 1:
+            self._next_seq(group)
+            return _ThreadWork(self, group, name, x, None)
+        arrival = self._arrive(group, f"all_reduce({op})", x.detach(), name, combine)
+        return _ThreadWork(self, group, name, x, arrival)
 
     def all_gather(self, x, group, dim, *, name, sizes=None):
         count("all_gather", name, group, x=x)
@@ -202,6 +241,25 @@ class ThreadComm:
     def barrier(self, group, *, name="barrier"):
         count("barrier", name, group)
         self.exchange(group, "barrier", None, name=name)
+
+
+class _ThreadWork:
+    """An all_reduce_async in flight on the threads backend."""
+
+    __slots__ = ("comm", "group", "name", "x", "arrival")
+
+    def __init__(self, comm: ThreadComm, group: Group, name: str, x: torch.Tensor,
+                 arrival: tuple | None):
+        self.comm, self.group, self.name, self.x = comm, group, name, x
+        self.arrival = arrival
+
+    def wait(self) -> torch.Tensor:
+        if self.arrival is not None:
+            arrival, self.arrival = self.arrival, None
+            result = self.comm._collect(self.group, arrival, self.name)
+            with torch.no_grad():
+                self.x.copy_(result)
+        return self.x
 
 
 def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:

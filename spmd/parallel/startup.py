@@ -1,0 +1,127 @@
+"""Start-up consistency: every rank of a group starts from the same parameters.
+
+Three steps, each a fixed number of collectives (none per tensor):
+
+1. ``check_same_tensors``: the ranks hold the same tensors (names, dtypes, shapes),
+   compared as int64 metadata, so that nothing later all-reduces buffers of different
+   sizes (gloo aborts the process on that). Always run.
+2. ``broadcast_from_first``: copy member 0's values everywhere, one broadcast per
+   (dtype, device).
+3. ``verify_equal``: or compare instead, with one all_gather of a float64 checksum
+   (CRC-32 of the bytes: exact, bit for bit) per tensor.
+"""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from .._format import shape_str
+from ..errors import SpecError
+from ..mesh import Group, Mesh
+
+__all__ = ["check_same_tensors", "broadcast_from_first", "verify_equal"]
+
+_MAXDIM = 8
+
+
+def _crc(s: str) -> int:
+    return zlib.crc32(s.encode())
+
+
+def _row(name: str, t: torch.Tensor) -> list[int]:
+    shape = list(t.shape)
+    dims = shape[:_MAXDIM] + [-1] * (_MAXDIM - min(len(shape), _MAXDIM))
+    return [_crc(name), _crc(str(t.dtype)), t.dim(), *dims, _crc(repr(shape))]
+
+
+def _gather(mesh: Mesh, group: Group, vec: torch.Tensor, what: str) -> list[torch.Tensor]:
+    return mesh.comm.all_gather(vec, group, 0, name=what, sizes=(vec.shape[0],) * group.size)
+
+
+def _axes(group: Group) -> str:
+    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+
+
+def check_same_tensors(mesh: Mesh, group: Group, named: Sequence[tuple[str, torch.Tensor]],
+                       what: str) -> None:
+    """Raise the same SpecError on every member unless all hold the same names, dtypes
+    and shapes, in the same order."""
+    rows = [_row(n, t) for n, t in named]
+    sig = _crc(repr(rows))
+    dev = mesh.device
+    first = _gather(mesh, group, torch.tensor([len(rows), sig], dtype=torch.int64, device=dev),
+                    what)
+    first = [v.tolist() for v in first]
+    if all(v == first[0] for v in first):
+        return
+    if any(v[0] != first[0][0] for v in first):
+        counts = ", ".join(f"rank {r}: {v[0]}" for r, v in zip(group.ranks, first))
+        raise SpecError(f"{what}: the ranks of {_axes(group)} hold different numbers of "
+                        f"parameters and buffers ({counts}); every rank must build the same "
+                        f"model (or pass the same ignore=...)")
+    mine = torch.tensor(rows, dtype=torch.int64, device=dev).view(-1)
+    got = [v.view(len(rows), -1).tolist() for v in _gather(mesh, group, mine, what)]
+    for i, (name, _) in enumerate(named):
+        for k, g in enumerate(got[1:], 1):
+            a, b = got[0][i], g[i]
+            if a == b:
+                continue
+            r0, rk = group.ranks[0], group.ranks[k]
+            if a[0] != b[0]:
+                detail = (f"entry {i} is {name!r} on rank {group.ranks[group.index]} but has "
+                          f"another name on rank {rk if group.index == 0 else r0}")
+            elif a[1] != b[1] or a[-1] != b[-1]:
+                sa = "?" if a[2] > _MAXDIM else shape_str(a[3:3 + a[2]])
+                sb = "?" if b[2] > _MAXDIM else shape_str(b[3:3 + b[2]])
+                same_dtype = "same dtype" if a[1] == b[1] else "different dtypes"
+                detail = (f"parameter {name!r} has shape {sa} on rank {r0} but {sb} on rank "
+                          f"{rk} ({same_dtype}); a parameter sharded over a synchronised "
+                          f"axis is not replicated: leave it out with ignore=[{name!r}]")
+            else:
+                detail = f"parameter {name!r} differs between rank {r0} and rank {rk}"
+            raise SpecError(f"{what}: the ranks of {_axes(group)} hold different tensors: "
+                            f"{detail}")
+
+
+def broadcast_from_first(mesh: Mesh, group: Group, tensors: Sequence[torch.Tensor],
+                         what: str) -> None:
+    """Overwrite every member's ``tensors`` with member 0's, one broadcast per
+    (dtype, device)."""
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_key.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_key.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            flat = mesh.comm.broadcast(flat, 0, group, name=what)
+            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+                t.copy_(part.view(t.shape))
+
+
+def _checksum(t: torch.Tensor) -> float:
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    return float(zlib.crc32(data))
+
+
+def verify_equal(mesh: Mesh, group: Group, named: Sequence[tuple[str, torch.Tensor]],
+                 what: str) -> None:
+    """Raise the same SpecError on every member, naming the first tensor (in module
+    order) whose bytes differ between members."""
+    if not named:
+        return
+    mine = torch.tensor([_checksum(t) for _, t in named], dtype=torch.float64,
+                        device=mesh.device)
+    got = [v.tolist() for v in _gather(mesh, group, mine, what)]
+    for i, (name, t) in enumerate(named):
+        for k, g in enumerate(got[1:], 1):
+            if g[i] != got[0][i]:
+                raise SpecError(
+                    f"{what}: parameter {name!r} ({shape_str(t.shape, t.dtype)}) differs "
+                    f"between rank {group.ranks[0]} and rank {group.ranks[k]} of "
+                    f"{_axes(group)} (checksums {int(got[0][i]):#010x} and {int(g[i]):#010x}); "
+                    f"parameters must be replicated over the synchronised axes: build them "
+                    f"from the same seed, use init='broadcast', or leave a sharded "
+                    f"parameter out with ignore=[{name!r}]")

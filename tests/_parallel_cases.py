@@ -1,0 +1,276 @@
+"""Per-rank training programs for GradSync and their single-device references.
+
+Shared by tests/test_parallel.py (threads backend, through ``spmd.launch``) and
+tests/test_parallel_gloo.py (the gloo pools): module-level, so spawned processes can
+import them. Models are built by the caller (one process, one RNG) and passed in; every
+rank trains its own ``copy.deepcopy``.
+
+The per-rank loss is each rank's *local contribution* (DESIGN.md): a data axis ``dp``
+splits the batch (every dp rank averages its own part: GradSync's op ``"mean"``), a
+domain axis ``sp`` splits each sample (points of the MLP, rows of the CNN's images: each
+sp rank holds a part of the sample's loss: op ``"sum"``). Where the loss is replicated
+over ``sp`` (the CNN's head, after a psum of pooled features), each sp rank contributes
+``loss / |sp|``.
+"""
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd
+from spmd import P
+
+F64 = torch.float64
+_rng_lock = threading.Lock()
+
+
+class MLP(nn.Module):
+    """Pointwise MLP on (batch, points, 6); ``reverse`` defines the layers in the
+    reverse of the order forward uses them."""
+
+    def __init__(self, reverse: bool = False, width: int = 8):
+        super().__init__()
+        dims = [(6, width), (width, width), (width, 3)]
+        names = ["l0", "l1", "l2"]
+        order = list(zip(names, dims))
+        for n, (i, o) in (reversed(order) if reverse else order):
+            setattr(self, n, nn.Linear(i, o))
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(torch.tanh(self.l0(x)))))
+
+
+class CNN(nn.Module):
+    """Two 3x3 convolutions and a head on pooled features."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3)
+        self.conv2 = nn.Conv2d(4, 2, 3)
+        self.head = nn.Linear(2, 3)
+
+
+class Mixed(nn.Module):
+    """fp32, bf16 and fp16 layers in one model (and one float64 one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 8).to(torch.bfloat16)
+        self.c = nn.Linear(8, 8).to(torch.float16)
+        self.d = nn.Linear(8, 3).to(F64)
+
+    def forward(self, x):  # each layer in its own dtype (all float64 after .double())
+        for layer in (self.a, self.b, self.c):
+            x = torch.tanh(layer(x.to(layer.weight.dtype)))
+        return self.d(x.to(self.d.weight.dtype)).double()
+
+
+def make(kind: str, seed: int, batch: int = 4, points: int = 5, hw: tuple = (7, 5)):
+    """(model, X, Y) in float64 (Mixed: the model in its own dtypes)."""
+    torch.manual_seed(seed)
+    if kind in ("mlp", "mlp_reverse"):
+        model = MLP(reverse=kind == "mlp_reverse").double()
+        x = torch.randn(batch, points, 6, dtype=F64)
+        y = torch.randn(batch, points, 3, dtype=F64)
+    elif kind == "cnn":
+        model = CNN().double()
+        x = torch.randn(batch, 2, *hw, dtype=F64)
+        y = (torch.randn(batch, 2, *hw, dtype=F64), torch.randn(batch, 3, dtype=F64))
+    elif kind == "mixed":
+        model = Mixed()
+        x = torch.randn(batch, points, 6, dtype=F64)
+        y = torch.randn(batch, points, 3, dtype=F64)
+    else:
+        raise ValueError(kind)
+    return model, x, y
+
+
+# -- the loss: one function for the per-rank run and the single device -----------------------
+
+def _conv(x, w, b, mesh, sizes):
+    if mesh is None:
+        return F.conv2d(x, w, b, padding=1)
+    if "sp" in mesh.axis_names:
+        x = spmd.halo_pad(x, mesh, "sp", 2, (1, 1), sizes=sizes)
+    else:
+        x = F.pad(x, (0, 0, 1, 1))
+    return F.conv2d(x, w, b, padding=(0, 1))
+
+
+def loss(model, kind, x, y, *, mesh=None, batch=None, sizes=None):
+    """The local loss: the global mean on one device (``mesh=None``); on a rank, its
+    contribution (``batch``: the dp rank's batch; ``sizes``: rows per sp rank)."""
+    sp = mesh.axis_size("sp") if mesh is not None and "sp" in mesh.axis_names else 1
+    b = x.shape[0] if batch is None else batch
+    if kind in ("mlp", "mlp_reverse", "mixed"):
+        n = x.shape[1] * sp if sizes is None else sum(sizes)
+        return ((model(x) - y) ** 2).sum() / (b * n * 3)
+    t, yh = y
+    h = torch.tanh(_conv(x, model.conv1.weight, model.conv1.bias, mesh, sizes))
+    o = _conv(h, model.conv2.weight, model.conv2.bias, mesh, sizes)
+    rows = x.shape[2] if sizes is None else sum(sizes)
+    pix = ((o - t) ** 2).sum() / (b * 2 * rows * x.shape[3])
+    feat = o.sum((2, 3))
+    if sp > 1:
+        feat = spmd.psum(feat, "sp")
+    head = model.head(feat / (rows * x.shape[3]))
+    return pix + ((head - yh) ** 2).sum() / (b * 3) / sp
+
+
+def _shard(mesh, kind, x, y):
+    """This rank's part: batch over dp, points (MLP) or rows (CNN) over sp."""
+    dp = "dp" if "dp" in mesh.axis_names else None
+    sp = "sp" if "sp" in mesh.axis_names else None
+    spec = P(dp, sp) if kind != "cnn" else P(dp, None, sp)
+    lay = spmd.Layout(x.shape, spec, mesh)
+    r = mesh.rank
+    xs = lay.shard(x, r)
+    dim = 1 if kind != "cnn" else 2
+    sizes = list(lay.sizes[dim]) if sp else None
+    if kind == "cnn":
+        t, yh = y
+        ys = (spmd.Layout(t.shape, spec, mesh).shard(t, r),
+              spmd.Layout(yh.shape, P(dp), mesh).shard(yh, r))
+    else:
+        ys = spmd.Layout(y.shape, spec, mesh).shard(y, r)
+    return xs, ys, sizes
+
+
+def _micro(t, k, i):
+    if isinstance(t, tuple):
+        return tuple(_micro(u, k, i) for u in t)
+    return t.chunk(k)[i]
+
+
+def _optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+# -- per-rank training ------------------------------------------------------------------------
+
+def train(mesh, model, x, y, kind, axes, opt, steps, cfg=None):
+    """Per-rank: ``steps`` optimizer steps with GradSync; returns the parameters, the
+    bucket plans (dtype, names) before and after the first step, and whether the first
+    bucket had started before backward returned, in the last step (overlap)."""
+    cfg = dict(cfg or {})
+    micro = cfg.pop("micro", 1)
+    zero = cfg.pop("zero", "optimizer")
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, axes, **cfg)
+    o = _optimizer(opt, model.parameters())
+    sync.attach(o)
+    xs, ys, sizes = _shard(mesh, kind, x, y)
+    plans = [[(str(b.dtype), b.names) for b in sync.buckets]]
+    started = None
+    for _ in range(steps):
+        if zero == "sync":
+            sync.zero_grad()
+        else:
+            o.zero_grad(set_to_none=zero == "optimizer")
+        b = xs.shape[0]
+        with sync.no_sync():
+            for i in range(micro - 1):
+                (loss(model, kind, _micro(xs, micro, i), _micro(ys, micro, i), mesh=mesh,
+                      batch=b, sizes=sizes)).backward()
+        loss(model, kind, _micro(xs, micro, micro - 1), _micro(ys, micro, micro - 1),
+             mesh=mesh, batch=b, sizes=sizes).backward()
+        started = sync._buckets[0].work is not None
+        o.step()
+        if len(plans) == 1:
+            plans.append([(str(b.dtype), b.names) for b in sync.buckets])
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    return [p.detach() for p in model.parameters()], grads, plans, started
+
+
+def train_single(model, x, y, kind, opt, steps):
+    """The same steps on one device, on the global batch."""
+    model = copy.deepcopy(model)
+    o = _optimizer(opt, model.parameters())
+    for _ in range(steps):
+        o.zero_grad()
+        loss(model, kind, x, y).backward()
+        o.step()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+    return [p.detach() for p in model.parameters()], grads
+
+
+def check_train(got, want, tol):
+    params, grads = want
+    for r, (ps, gs, _, _) in enumerate(got):
+        for i, (p, q) in enumerate(zip(ps, params)):
+            torch.testing.assert_close(p, q, **tol, msg=f"parameter {i}, rank {r}")
+            assert torch.equal(p, got[0][0][i]), f"parameter {i} differs on rank {r}"
+        for i, (g, h) in enumerate(zip(gs, grads)):
+            torch.testing.assert_close(g, h, **tol, msg=f"grad {i}, rank {r}")
+
+
+# -- unused parameters -------------------------------------------------------------------------
+
+class Partly(nn.Module):
+    """``used`` always; ``only0`` on rank 0 only; ``never`` on no rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(3, 2).double()
+        self.only0 = nn.Linear(3, 2).double()
+        self.never = nn.Linear(3, 2).double()
+
+
+def unused(mesh, model, x, cfg):
+    """Per-rank: two Adam steps where ``only0`` is used by rank 0 and ``never`` by none;
+    returns the parameters and the gradients after the last step."""
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, **cfg)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    sync.attach(o)
+    xs = x.chunk(mesh.size)[mesh.rank]
+    for _ in range(2):
+        o.zero_grad()
+        out = model.used(xs).sum()
+        if mesh.rank == 0:
+            out = out + model.only0(xs).pow(2).sum()
+        (out / xs.shape[0]).backward()
+        o.step()
+    return ([p.detach() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()])
+
+
+def unused_single(model, x, world):
+    model = copy.deepcopy(model)
+    o = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        o.zero_grad()
+        loss = 0
+        for r, xs in enumerate(x.chunk(world)):
+            out = model.used(xs).sum()
+            if r == 0:
+                out = out + model.only0(xs).pow(2).sum()
+            loss = loss + out / xs.shape[0] / world
+        loss.backward()
+        o.step()
+    return ([p.detach() for p in model.parameters()],
+            [None if p.grad is None else p.grad.clone() for p in model.parameters()])
+
+
+# -- start-up -----------------------------------------------------------------------------------
+
+def startup(mesh, init, seed_by_rank, shape_by_rank=False):
+    """Per-rank: a model built from a per-rank seed (or shape); GradSync with ``init``;
+    returns the parameters and buffers, or the error message."""
+    width = 4 + mesh.rank if shape_by_rank else 4
+    with _rng_lock:  # rank threads share torch's RNG
+        torch.manual_seed(mesh.rank if seed_by_rank else 0)
+        model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width), nn.Linear(width, 2))
+    model[1].running_mean.add_(mesh.rank if seed_by_rank else 0)
+    try:
+        spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, init=init)
+    except spmd.SpecError as e:
+        return str(e)
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]

@@ -1,0 +1,506 @@
+"""spmd.parallel.GradSync and the asynchronous all-reduce, on the threads backend.
+
+Training runs compare against single-device training on the global batch in float64
+(tests/_parallel_cases.py): reductions reorder float64 additions, and the per-rank
+losses split sums differently, so parameters after a few SGD/Adam steps agree to
+rtol = atol = 1e-9 (Adam divides by sqrt of tiny second moments: looser than 1e-10).
+bf16/fp16 buckets: the dtype's own tolerance against the same reduction done by hand.
+Models are built on the main thread (torch's RNG is process-global) and copied per rank.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from _parallel_cases import (
+    CNN,
+    MLP,
+    Partly,
+    check_train,
+    loss,
+    make,
+    startup,
+    train,
+    train_single,
+    unused,
+    unused_single,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spmd
+from spmd import P
+from spmd.launch import run_on_threads
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+# =========================================================================================
+# all_reduce_async on the threads backend
+# =========================================================================================
+
+def _async_ranks(mesh):
+    g = mesh.group("sp")
+    r = mesh.rank
+    xs = [torch.full((3,), float(r + 1) * (k + 1)) + torch.tensor([0.1, 0.2, 0.3])
+          for k in range(3)]
+    if r == 1:
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    works = [mesh.comm.all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
+    started = time.monotonic() - t0
+    outs = [w.wait() for w in reversed(works)][::-1]  # any wait order
+    return started, [o is x for o, x in zip(outs, xs)], [x.clone() for x in xs]
+
+
+def test_all_reduce_async_threads_does_not_block_and_is_bit_identical():
+    res = spmd.launch(_async_ranks, (3,), "sp")
+    assert res[0][0] < 0.2  # rank 0 deposited without waiting for the late rank 1
+    for _, same, xs in res:
+        assert all(same)  # in place: wait() returns the caller's tensor
+        for k, x in enumerate(xs):
+            want = sum(torch.full((3,), float(r + 1) * (k + 1)) + torch.tensor([0.1, 0.2, 0.3])
+                       for r in range(3))
+            torch.testing.assert_close(x, want)
+            assert torch.equal(x, res[0][2][k])  # the same bits on every rank
+
+
+def _async_missing(mesh):
+    w = None
+    if mesh.rank == 0:
+        w = mesh.comm.all_reduce_async(torch.ones(2), "sum", mesh.group("sp"), name="grad_sync")
+        return w.wait()
+    time.sleep(1.5)
+    return None
+
+
+def test_all_reduce_async_threads_timeout_names_missing_rank():
+    with pytest.raises(spmd.CommTimeout, match=r"grad_sync over axis 'sp' timed out after "
+                       r"0.5 s on rank 0: ranks \[1\] of the group \[0, 1\] did not arrive"):
+        spmd.launch(_async_missing, (2,), "sp", timeout=0.5)
+
+
+def _async_errors(mesh):
+    g = mesh.group("sp")
+    out = []
+    for x, op in ((torch.ones(4).view(2, 2).t(), "sum"), (torch.ones(2), "mean")):
+        try:
+            mesh.comm.all_reduce_async(x, op, g, name="grad_sync")
+        except spmd.SpecError as e:
+            out.append(str(e))
+    return out
+
+
+def test_all_reduce_async_threads_refuses_bad_input():
+    msgs = spmd.launch(_async_errors, (1,), "sp")[0]
+    assert "needs a contiguous tensor" in msgs[0]
+    assert "reduction op must be one of ('sum', 'max', 'min'), got 'mean'" in msgs[1]
+
+
+# =========================================================================================
+# Training equals one device
+# =========================================================================================
+
+CASES = [  # mesh shape, axis names, GradSync axes
+    ((2,), ("dp",), {"dp": "mean"}),
+    ((4,), ("dp",), "dp"),
+    ((2,), ("sp",), {"sp": "sum"}),
+    ((2, 2), ("dp", "sp"), {"dp": "mean", "sp": "sum"}),
+]
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+@pytest.mark.parametrize("shape,names,axes", CASES)
+def test_training_matches_single_device(kind, opt, shape, names, axes):
+    model, x, y = make(kind, seed=1)
+    # small buckets: several per model, so order and overlap matter
+    cfg = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4)
+    got = spmd.launch(train, shape, names, args=(model, x, y, kind, axes, opt, 3, cfg))
+    check_train(got, train_single(model, x, y, kind, opt, 3), TOL)
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "zeros", "sync"])
+@pytest.mark.parametrize("view", [True, False])
+def test_zeroing_and_copy_path_match(zero, view):
+    model, x, y = make("mlp", seed=2)
+    cfg = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4, grad_as_view=view, zero=zero)
+    got = spmd.launch(train, (2, 2), ("dp", "sp"),
+                      args=(model, x, y, "mlp", {"dp": "mean", "sp": "sum"}, "adam", 2, cfg))
+    check_train(got, train_single(model, x, y, "mlp", "adam", 2), TOL)
+
+
+@settings(max_examples=12)
+@given(shape=st.sampled_from([(1,), (3,), (1, 2), (2, 2), (3, 1)]),
+       ops=st.tuples(st.sampled_from(["sum", "mean"]), st.sampled_from(["sum", "mean"])),
+       first=st.sampled_from([1e-5, 2e-4, 1.0]), cap=st.sampled_from([1e-5, 1e-3, 25.0]),
+       micro=st.sampled_from([1, 2]), view=st.booleans())
+def test_one_step_gradients_any_mesh_ops_and_buckets(shape, ops, first, cap, micro, view):
+    """One SGD step (lr 0: the gradients are compared) on 1-d and 2-d meshes: the reduced
+    gradient is the sum of the local ones, times 1/|axis| for each "mean" axis."""
+    names = ("dp",) if len(shape) == 1 else ("dp", "sp")
+    axes = dict(zip(names, ops))
+    model, x, y = make("mlp", seed=3, batch=6, points=4)
+    cfg = dict(first_bucket_cap_mb=first, bucket_cap_mb=cap, grad_as_view=view, micro=micro)
+    got = spmd.launch(train, shape, names, args=(model, x, y, "mlp", axes, "sgd", 1, cfg))
+    # the single-device gradient, rescaled where an axis sums what the loss averages
+    factor = 1.0
+    for a, s in zip(names, shape):
+        if a == "dp" and axes[a] == "sum":
+            factor *= s
+        if a == "sp" and axes[a] == "mean":
+            factor /= s
+    ref = copy.deepcopy(model)
+    loss(ref, "mlp", x, y).backward()
+    for r, (_, grads, plans, _) in enumerate(got):
+        for i, (g, p) in enumerate(zip(grads, ref.parameters())):
+            torch.testing.assert_close(g, p.grad * factor, **TOL, msg=f"grad {i} rank {r}")
+        for plan in plans:
+            assert sorted(n for _, names_ in plan for n in names_) == sorted(
+                n for n, _ in model.named_parameters())
+
+
+def test_cnn_dp_sp_uneven_rows_with_halo_and_psum_head():
+    """(2, 2) mesh; rows 7 over sp = [4, 3]; halo_pad and a psum in forward, their
+    transposes in backward interleave with the bucket all-reduces."""
+    model, x, y = make("cnn", seed=4, batch=4, hw=(7, 5))
+    cfg = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5)
+    got = spmd.launch(train, (2, 2), ("dp", "sp"),
+                      args=(model, x, y, "cnn", {"dp": "mean", "sp": "sum"}, "adam", 3, cfg))
+    check_train(got, train_single(model, x, y, "cnn", "adam", 3), TOL)
+
+
+# =========================================================================================
+# Buckets: dtypes, plan order, overlap, views
+# =========================================================================================
+
+def test_mixed_dtypes_get_separate_buckets_and_correct_gradients():
+    model, x, y = make("mixed", seed=5)
+    cfg = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1.0)
+    got = spmd.launch(train, (2,), ("dp",), args=(model, x, y, "mixed", "dp", "sgd", 1, cfg))
+    plan = got[0][2][-1]
+    for dtype, names in plan:
+        prefixes = {n.split(".")[0] for n in names}
+        assert len(prefixes) == 1 or dtype == "torch.float32" and prefixes == {"a"}, plan
+    assert {d for d, _ in plan} == {"torch.float32", "torch.bfloat16", "torch.float16",
+                                    "torch.float64"}
+    # expected: each rank's local gradient, halved and summed in its own dtype
+    local = []
+    for r in range(2):
+        m = copy.deepcopy(model)
+        loss(m, "mixed", x.chunk(2)[r], y.chunk(2)[r], batch=2).backward()
+        local.append([p.grad for p in m.parameters()])
+    ref = copy.deepcopy(model).double()
+    loss(ref, "mixed", x, y).backward()
+    for r, (_, grads, _, _) in enumerate(got):
+        for i, (g, p) in enumerate(zip(grads, model.parameters())):
+            assert g.dtype == p.dtype
+            want = local[0][i] * 0.5 + local[1][i] * 0.5
+            torch.testing.assert_close(g, want, msg=f"grad {i} rank {r}")
+            # and close to float64 on one device: every gradient went through bf16
+            h = list(ref.parameters())[i].grad
+            torch.testing.assert_close(g.double(), h, rtol=5e-2, atol=5e-2 * h.abs().max().item())
+
+
+def test_reverse_defined_model_plan_follows_execution_order():
+    """Layers defined l2, l1, l0 but used l0, l1, l2: the first plan (reverse definition
+    order) starts with l0's gradients, which are ready last; after one iteration the plan
+    starts with l2's, which backward produces first."""
+    model, x, y = make("mlp_reverse", seed=6)
+    assert [n for n, _ in model.named_parameters()][:2] == ["l2.weight", "l2.bias"]
+    cfg = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4)
+    got = spmd.launch(train, (2,), ("dp",), args=(model, x, y, "mlp_reverse", "dp", "sgd", 2, cfg))
+    for _, _, (before, after), started in got:
+        first = [n for _, names in before for n in names]
+        learned = [n for _, names in after for n in names]
+        assert first[0].startswith("l0"), before
+        assert learned[0].startswith("l2") and learned[-1].startswith("l0"), after
+        # autograd's order: a layer's bias then its weight, last layer first
+        assert learned == ["l2.bias", "l2.weight", "l1.bias", "l1.weight", "l0.bias",
+                           "l0.weight"], after
+        assert started  # the first bucket was in flight before backward returned
+    want = train_single(model, x, y, "mlp_reverse", "sgd", 2)
+    check_train(got, want, TOL)
+
+
+def _plan_and_views(mesh, model, learn):
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, "dp", first_bucket_cap_mb=1e-4,
+                                  bucket_cap_mb=4e-4, learn_order=learn)
+    before = sync.buckets
+    x = torch.ones(2, 5, 6, dtype=torch.float64)
+    for _ in range(2):
+        model.zero_grad()
+        model(x).sum().backward()
+        sync.wait()
+    in_bucket = [p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+                 for b in sync._buckets for p in b.params]
+    return before, sync.buckets, sync.order_learned, in_bucket, repr(sync)
+
+
+def test_plan_is_inspectable_and_learning_can_be_switched_off():
+    model = MLP(reverse=True).double()
+    for learn in (True, False):
+        before, after, learned, in_bucket, text = spmd.launch(
+            _plan_and_views, (2,), "dp", args=(model, learn))[0]
+        assert learned == learn
+        assert (before != after) == learn
+        assert all(in_bucket)  # every gradient is a view into its bucket
+        assert isinstance(after[0], spmd.parallel.BucketInfo)
+        assert after[0].dtype == torch.float64 and after[0].device == torch.device("cpu")
+        assert after[0].nbytes == 8 * after[0].numel
+        assert repr(after[0]).startswith("Bucket(f64 on cpu, ")
+        assert "6 parameters in" in text and "rank 0" in text
+    # the caps: the first bucket closes at first_bucket_cap_mb, the others at bucket_cap_mb
+    sizes = [b.nbytes for b in after]
+    assert sum(sizes) == 8 * sum(p.numel() for p in model.parameters())
+
+
+class _Transposed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64).t())  # strides (1, 3)
+        self.v = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+
+def _non_contiguous(mesh, model, x):
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, "dp")
+    for _ in range(2):  # the second iteration runs on the learned plan
+        model.zero_grad()
+        ((x[mesh.rank] @ model.w) * model.v).sum().backward()
+        sync.wait()
+    bufs = {b.buffer.untyped_storage().data_ptr() for b in sync._buckets}
+    return ([p.grad.clone() for p in (model.w, model.v)],
+            [p.grad.untyped_storage().data_ptr() in bufs for p in (model.w, model.v)],
+            model.w.grad.stride())
+
+
+def test_non_contiguous_parameter_takes_the_copy_path():
+    torch.manual_seed(10)
+    model, x = _Transposed(), torch.randn(2, 5, 3, dtype=torch.float64)
+    got = spmd.launch(_non_contiguous, (2,), "dp", args=(model, x))
+    ref = copy.deepcopy(model)
+    sum(((x[r] @ ref.w) * ref.v).sum() for r in range(2)).div(2).backward()
+    for grads, in_bucket, stride in got:
+        assert in_bucket == [False, True]  # w keeps its own gradient, v lives in the bucket
+        assert stride == ref.w.grad.stride() == (1, 3)
+        for g, p in zip(grads, (ref.w, ref.v)):
+            torch.testing.assert_close(g, p.grad, **TOL)
+
+
+def _comm_counts(mesh, model):
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, "dp", first_bucket_cap_mb=1e-4,
+                                  bucket_cap_mb=4e-4, learn_order=False)
+    x = torch.ones(2, 5, 6, dtype=torch.float64)
+    model(x).sum().backward()
+    return len(sync.buckets), [b.numel + len(b.names) for b in sync.buckets]
+
+
+def test_comm_stats_counts_one_async_all_reduce_per_bucket_in_backward():
+    model = MLP().double()
+    with spmd.comm_stats() as s:
+        res = spmd.launch(_comm_counts, (2,), "dp", args=(model,))
+    nb, numels = res[0]
+    # the wait() happens at the latest in GradSync.wait; here backward launched them all
+    assert s.calls("grad_sync", pass_="backward") == 2 * nb
+    assert s.bytes("grad_sync", pass_="backward") == 2 * 8 * sum(numels)
+    assert s.calls("grad_sync", pass_="forward") == 0
+
+
+# =========================================================================================
+# no_sync, unused parameters, misuse
+# =========================================================================================
+
+@pytest.mark.parametrize("view", [True, False])
+def test_no_sync_accumulation_equals_one_large_batch(view):
+    model, x, y = make("mlp", seed=7, batch=8)
+    cfg = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4, grad_as_view=view, micro=4)
+    got = spmd.launch(train, (2, 2), ("dp", "sp"),
+                      args=(model, x, y, "mlp", {"dp": "mean", "sp": "sum"}, "adam", 2, cfg))
+    check_train(got, train_single(model, x, y, "mlp", "adam", 2), TOL)
+
+
+@pytest.mark.parametrize("view", [True, False])
+def test_unused_parameters_do_not_hang_and_match_single_device(view):
+    """``only0`` (used by rank 0 only) gets the reduced gradient on every rank; ``never``
+    (used by no rank) keeps grad None, so Adam leaves it alone, as on one device."""
+    torch.manual_seed(8)
+    model, x = Partly(), torch.randn(4, 3, dtype=torch.float64)
+    cfg = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5, grad_as_view=view)
+    got = spmd.launch(unused, (2,), "dp", args=(model, x, cfg), timeout=20)
+    want_p, want_g = unused_single(model, x, 2)
+    names = [n for n, _ in model.named_parameters()]
+    for params, grads in got:
+        for n, p, q, g, h in zip(names, params, want_p, grads, want_g):
+            torch.testing.assert_close(p, q, **TOL, msg=n)
+            if n.startswith("never"):
+                assert g is None and h is None, n
+            else:
+                torch.testing.assert_close(g, h, **TOL, msg=n)
+
+
+def _misuse(mesh):
+    model = torch.nn.Linear(2, 2)
+    sync = spmd.parallel.GradSync(model, mesh, "dp")
+    out = []
+    model(torch.ones(1, 2)).sum().backward()
+    try:
+        model(torch.ones(1, 2)).sum().backward()  # again, without wait()
+    except RuntimeError as e:
+        out.append(str(e))
+    sync.wait()
+    sync.wait()  # a second wait is a no-op
+    model.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    try:
+        with sync.no_sync():
+            model(torch.ones(1, 2)).sum().backward()
+    except RuntimeError as e:
+        out.append(str(e))
+    sync.wait()
+    sync2 = spmd.parallel.GradSync(model, mesh, "dp")  # replaces the first (closes it)
+    out.append((sync._closed, sync2._closed))
+    model.zero_grad()
+    model(torch.ones(1, 2)).sum().backward()
+    out.append((sync._dirty, sync2._dirty))  # only the second one's hooks fired
+    sync2.wait()
+    return out
+
+
+def test_misuse_is_reported():
+    out = spmd.launch(_misuse, (2,), "dp", timeout=20)[0]
+    assert "parameter 'bias' got a gradient twice before sync.wait()" in out[0]
+    assert "a backward ran under no_sync() while gradients" in out[1]
+    assert out[2] == (True, False) and out[3] == (False, True)
+
+
+def _shared_model(mesh, model):
+    spmd.parallel.GradSync(model, mesh, "dp", init=None)
+
+
+def _sparse(mesh):
+    emb = torch.nn.Embedding(5, 3, sparse=True)
+    spmd.parallel.GradSync(emb, mesh, "dp")  # the hooks keep it alive
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+    except NotImplementedError as e:
+        return str(e)
+
+
+def test_sparse_gradients_are_refused_clearly():
+    msg = spmd.launch(_sparse, (1,), "dp")[0]
+    assert "parameter 'weight' got a torch.sparse_coo gradient; only dense" in msg
+
+
+def test_ranks_sharing_one_model_on_a_threads_mesh_are_refused():
+    with pytest.raises(spmd.SpecError, match="already synchronised by a GradSync on rank"):
+        spmd.launch(_shared_model, (2,), "dp", args=(torch.nn.Linear(2, 2),), timeout=10)
+
+
+# =========================================================================================
+# Start-up consistency and argument errors
+# =========================================================================================
+
+def test_init_broadcast_copies_parameters_and_buffers_from_rank_0():
+    got = spmd.launch(startup, (3,), "dp", args=("broadcast", True))
+    assert not any(isinstance(g, str) for g in got)
+    for ts in got[1:]:
+        for a, b in zip(ts, got[0]):
+            assert torch.equal(a, b)
+    torch.manual_seed(0)
+    assert torch.equal(got[0][0], torch.nn.Linear(3, 4).weight.detach())
+    assert torch.equal(got[0][6], torch.zeros(4))  # rank 0's BatchNorm running_mean
+
+
+def test_init_verify_names_the_first_differing_parameter_on_every_rank():
+    got = spmd.launch(startup, (2,), "dp", args=("verify", True))
+    for msg in got:
+        assert msg.startswith("GradSync: parameter '0.weight' (f32[4, 3]) differs between "
+                              "rank 0 and rank 1 of axis 'dp' (checksums "), msg
+        assert "init='broadcast'" in msg and "ignore=['0.weight']" in msg
+    assert got[0] == got[1]
+    same = spmd.launch(startup, (2,), "dp", args=("verify", False))
+    assert all(isinstance(t, list) for t in same)
+
+
+def test_different_shapes_are_refused_before_any_data_moves():
+    got = spmd.launch(startup, (2,), "dp", args=("broadcast", False, True))
+    for msg in got:
+        assert "parameter '0.weight' has shape [4, 3] on rank 0 but [5, 3] on rank 1" in msg
+        assert "ignore=['0.weight']" in msg
+
+
+def _bad_args(mesh):
+    m = torch.nn.Linear(2, 2)
+    G = spmd.parallel.GradSync
+    calls = {
+        "axis": lambda: G(m, mesh, {"xx": "sum"}),
+        "op": lambda: G(m, mesh, {"dp": "max"}),
+        "empty": lambda: G(m, mesh, {}),
+        "repeat": lambda: G(m, mesh, ["dp", "dp"]),
+        "module": lambda: G([m.weight], mesh, "dp"),
+        "mesh": lambda: G(m, "dp", "dp"),
+        "cap": lambda: G(m, mesh, "dp", bucket_cap_mb=0),
+        "init": lambda: G(m, mesh, "dp", init="copy"),
+        "ignore": lambda: G(m, mesh, "dp", ignore=["nope"]),
+    }
+    out = {}
+    for k, f in calls.items():
+        try:
+            f()
+            out[k] = None
+        except Exception as e:  # noqa: BLE001 - the type is part of what is checked
+            out[k] = (type(e).__name__, str(e))
+    return out
+
+
+def test_bad_arguments_raise_clear_errors():
+    out = spmd.launch(_bad_args, (2,), "dp")[0]
+    assert out["axis"] == ("SpecError", "GradSync: 'xx' is not an axis of Mesh(dp=2, "
+                           "backend='threads'); its axes are ['dp']")
+    assert out["op"] == ("SpecError", "GradSync: the op for axis 'dp' must be 'sum' or "
+                         "'mean', got 'max'")
+    assert out["empty"][0] == "SpecError" and "non-empty" in out["empty"][1]
+    assert out["repeat"] == ("SpecError", "GradSync: axes ['dp', 'dp'] repeat an axis")
+    assert out["module"][0] == "TypeError" and "torch.nn.Module, got list" in out["module"][1]
+    assert out["mesh"][0] == "TypeError" and "spmd.Mesh, got str" in out["mesh"][1]
+    assert out["cap"][0] == "ValueError" and "bucket_cap_mb" in out["cap"][1]
+    assert out["init"][0] == "ValueError" and "'broadcast', 'verify', None" in out["init"][1]
+    assert out["ignore"] == ("SpecError", "GradSync: ignore names ['nope'], which are not "
+                             "parameters or buffers of the module")
+
+
+# =========================================================================================
+# The global view of a threads mesh: nothing to do
+# =========================================================================================
+
+def test_global_view_threads_mesh_is_inactive_and_shard_map_gives_global_grads():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    torch.manual_seed(9)
+    model = CNN().double()
+    sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean", "sp": "sum"})
+    assert not sync.active and sync.buckets == [] and "inactive" in repr(sync)
+    x = torch.randn(4, 2, 6, 5, dtype=torch.float64)
+    w = model.conv1.weight
+
+    def body(x):  # a domain-parallel conv: shard_map sums the weight's gradient itself
+        h = spmd.halo_pad(x, mesh, "sp", 2, (1, 1))
+        return torch.nn.functional.conv2d(h, w, padding=(0, 1))
+
+    out = spmd.shard_map(body, mesh, P("dp", None, "sp"), P("dp", None, "sp"))(x)
+    out.pow(2).sum().backward()
+    sync.wait()  # no-op
+    ref = w.detach().clone().requires_grad_()
+    torch.nn.functional.conv2d(x, ref, padding=1).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad, ref.grad, **TOL)
+
+
+def test_inactive_sync_used_on_a_rank_thread_says_so():
+    mesh = spmd.Mesh((2,), "dp")
+    sync = spmd.parallel.GradSync(torch.nn.Linear(2, 2), mesh, "dp")
+    with pytest.raises(spmd.SpecError, match="was built outside the rank threads"):
+        run_on_threads(mesh, lambda r: sync.wait())

@@ -1,0 +1,181 @@
+"""GradSync and all_reduce_async on real gloo processes (the session pools, world 2 and 4).
+
+The same per-rank programs as tests/test_parallel.py (tests/_parallel_cases.py),
+compared with single-device float64 training at rtol = atol = 1e-9 (gloo's ring adds in
+another order than one device: a few ulps, grown a little by a few Adam steps). Few,
+small runs: the CI machine has 2 cores.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from _parallel_cases import (
+    Partly,
+    check_train,
+    make,
+    startup,
+    train,
+    train_single,
+    unused,
+    unused_single,
+)
+
+import spmd
+
+pytestmark = pytest.mark.gloo
+
+TOL = dict(rtol=1e-9, atol=1e-9)
+SMALL = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4)
+
+
+# -- all_reduce_async -------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
+
+
+def _async(mesh, axes):
+    """Several all-reduces in flight at once, waited in reverse order; a blocking psum
+    on another group in between."""
+    g, r = mesh.group(axes), mesh.rank
+    xs = [(torch.arange(5) * (r + 1) + k).to(dt) for k, dt in enumerate(DTYPES)]
+    works = [mesh.comm.all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
+    other = spmd.psum(torch.tensor([float(r)]), mesh.axis_names[0])
+    outs = [w.wait() for w in reversed(works)][::-1]
+    return [o is x for o, x in zip(outs, xs)], xs, other
+
+
+def _check_async(got, shape, names, axes):
+    want = spmd.launch(_async, shape, names, args=(axes,))
+    for (same, xs, other), (_, wxs, wother) in zip(got, want):
+        assert all(same)
+        for x, w in zip(xs, wxs):
+            assert x.dtype == w.dtype
+            torch.testing.assert_close(x, w, rtol=0, atol=0)  # small integers: exact
+        assert torch.equal(other, wother)
+
+
+def test_all_reduce_async_world2(gloo2):
+    _check_async(gloo2.run(_async, (2,), "dp", args=("dp",)), (2,), "dp", "dp")
+
+
+def _async_validated(mesh, mismatch):
+    """SPMD_VALIDATE's check runs before the transfer starts: a size mismatch is a
+    CommError on every rank (gloo would abort the process otherwise)."""
+    mesh.comm.validate = True
+    try:
+        n = 3 + (mesh.rank if mismatch else 0)
+        w = mesh.comm.all_reduce_async(torch.ones(n), "sum", mesh.group("dp"), name="grad_sync")
+        return w.wait()
+    except spmd.CommError as e:
+        return str(e)
+    finally:
+        mesh.comm.validate = False
+
+
+def test_all_reduce_async_validated_world2(gloo2):
+    assert all(torch.equal(t, torch.full((3,), 2.0))
+               for t in gloo2.run(_async_validated, (2,), "dp", args=(False,)))
+    for msg in gloo2.run(_async_validated, (2,), "dp", args=(True,)):
+        assert "grad_sync over axis 'dp': rank 0 passed f32[3] but rank 1 passed f32[4]" in msg
+
+
+def test_all_reduce_async_2x2(gloo4):
+    args = ((2, 2), ("dp", "sp"), ("sp", "dp"))
+    _check_async(gloo4.run(_async, args[0], args[1], args=(args[2],)), *args)
+
+
+def _async_rank_1_never_waits(mesh):
+    if mesh.rank == 1:
+        time.sleep(60)  # ended by the pool
+    w = mesh.comm.all_reduce_async(torch.ones(3), "sum", mesh.group("dp"), name="grad_sync")
+    return w.wait()
+
+
+def _ok(mesh):
+    return mesh.rank
+
+
+def test_all_reduce_async_timeout_names_missing_rank(gloo2):
+    with pytest.raises(spmd.CommTimeout, match=r"rank 0: grad_sync over axis 'dp' timed out "
+                       r"after 3 s on rank 0: ranks \[1\] of the group \[0, 1\] did not arrive"):
+        gloo2.run(_async_rank_1_never_waits, (2,), "dp", timeout=3)
+    assert gloo2.run(_ok, (2,), "dp") == [0, 1]
+
+
+# -- training equals one device ---------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("mlp", "adam"), ("cnn", "adam")])
+def test_training_world2(gloo2, kind, opt):
+    model, x, y = make(kind, seed=11)
+    got = gloo2.run(train, (2,), ("dp",), args=(model, x, y, kind, "dp", opt, 3, SMALL))
+    check_train(got, train_single(model, x, y, kind, opt, 3), TOL)
+
+
+def test_training_world4(gloo4):
+    model, x, y = make("mlp", seed=12)
+    got = gloo4.run(train, (4,), ("dp",), args=(model, x, y, "mlp", "dp", "adam", 3, SMALL))
+    check_train(got, train_single(model, x, y, "mlp", "adam", 3), TOL)
+
+
+@pytest.mark.parametrize("kind,opt", [("mlp", "sgd"), ("cnn", "adam")])
+def test_training_dp_sp_2x2(gloo4, kind, opt):
+    """(dp, sp) = (2, 2): batch over dp (mean), points or image rows (7 rows: [4, 3])
+    over sp (sum), with halo_pad and a psum in the CNN's forward."""
+    model, x, y = make(kind, seed=13)
+    axes = {"dp": "mean", "sp": "sum"}
+    got = gloo4.run(train, (2, 2), ("dp", "sp"), args=(model, x, y, kind, axes, opt, 3, SMALL))
+    check_train(got, train_single(model, x, y, kind, opt, 3), TOL)
+
+
+# -- buckets, no_sync, unused, start-up ---------------------------------------------------------
+
+def test_reverse_model_plan_no_sync_and_mixed_dtypes_world2(gloo2):
+    model, x, y = make("mlp_reverse", seed=14, batch=8)
+    cfg = dict(SMALL, micro=2, zero="zeros")
+    got = gloo2.run(train, (2,), ("dp",), args=(model, x, y, "mlp_reverse", "dp", "adam", 2, cfg))
+    check_train(got, train_single(model, x, y, "mlp_reverse", "adam", 2), TOL)
+    for _, _, (before, after), started in got:
+        assert [n for _, ns in before for n in ns][0] == "l0.bias"
+        assert [n for _, ns in after for n in ns] == ["l2.bias", "l2.weight", "l1.bias",
+                                                     "l1.weight", "l0.bias", "l0.weight"]
+        assert started
+    # bf16, fp16, fp32 and fp64 parameters: four buckets of one dtype each
+    model, x, y = make("mixed", seed=15)
+    got = gloo2.run(train, (2,), ("dp",), args=(model, x, y, "mixed", "dp", "sgd", 1,
+                                                dict(first_bucket_cap_mb=1.0)))
+    plan = got[0][2][-1]
+    assert sorted(d for d, _ in plan) == ["torch.bfloat16", "torch.float16", "torch.float32",
+                                          "torch.float64"]
+    want = spmd.launch(train, (2,), ("dp",), args=(model, x, y, "mixed", "dp", "sgd", 1,
+                                                   dict(first_bucket_cap_mb=1.0)))
+    for (_, gs, _, _), (_, wgs, _, _) in zip(got, want):
+        for g, w in zip(gs, wgs):  # two ranks: one addition, the same on gloo and threads
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_unused_parameters_world2(gloo2):
+    torch.manual_seed(16)
+    model, x = Partly(), torch.randn(4, 3, dtype=torch.float64)
+    got = gloo2.run(unused, (2,), "dp", args=(model, x, SMALL), timeout=20)
+    want_p, want_g = unused_single(model, x, 2)
+    names = [n for n, _ in model.named_parameters()]
+    for params, grads in got:
+        for n, p, q, g, h in zip(names, params, want_p, grads, want_g):
+            torch.testing.assert_close(p, q, **TOL, msg=n)
+            if n.startswith("never"):
+                assert g is None and h is None, n
+            else:
+                torch.testing.assert_close(g, h, **TOL, msg=n)
+
+
+def test_startup_world2(gloo2):
+    got = gloo2.run(startup, (2,), "dp", args=("broadcast", True))
+    for a, b in zip(got[0], got[1]):
+        assert torch.equal(a, b)
+    msgs = gloo2.run(startup, (2,), "dp", args=("verify", True))
+    assert msgs[0] == msgs[1] and "parameter '0.weight' (f32[4, 3]) differs" in msgs[0]
+    msgs = gloo2.run(startup, (2,), "dp", args=("verify", False, True))
+    assert msgs[0] == msgs[1] and "has shape [4, 3] on rank 0 but [5, 3] on rank 1" in msgs[0]
