@@ -83,15 +83,20 @@ def run_conv(c):
     def glob(x, w, b=None):
         return ref(x, w, b)
 
+    return _compare_or_refused(local, glob, mesh, lay, lambda: op.output_layout(lay, w.shape, **kw),
+                               x, params, c["seed"])
+
+
+def _compare_or_refused(local, glob, mesh, lay, out_layout, x, params, seed):
+    """compare_op, or, where torch refuses the global call, a RuntimeError on every rank."""
     try:
         glob(x, *params)
-    except RuntimeError:  # torch refuses this on one device: so must every rank
+    except RuntimeError:
         event("torch refuses")
         with pytest.raises(RuntimeError):
             spmd.shard_map(lambda x: local(x, *params), mesh, lay, lay.spec)(x)
         return None
-    out_lay = op.output_layout(lay, tuple(w.shape), **kw)
-    return compare_op(local, glob, mesh, lay, out_lay, x, params, seed=c["seed"])
+    return compare_op(local, glob, mesh, lay, out_layout(), x, params, seed=seed)
 
 
 @settings(max_examples=300)
@@ -146,15 +151,8 @@ def run_convt(c):
     def glob(x, w, b=None):
         return ref(x, w, b, **kw)
 
-    try:
-        glob(x, *params)
-    except RuntimeError:
-        event("torch refuses")
-        with pytest.raises(RuntimeError):
-            spmd.shard_map(lambda x: local(x, *params), mesh, lay, lay.spec)(x)
-        return None
-    out_lay = op.output_layout(lay, tuple(w.shape), **kw)
-    return compare_op(local, glob, mesh, lay, out_lay, x, params, seed=c["seed"])
+    return _compare_or_refused(local, glob, mesh, lay, lambda: op.output_layout(lay, w.shape, **kw),
+                               x, params, c["seed"])
 
 
 @settings(max_examples=300)
