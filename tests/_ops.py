@@ -108,3 +108,24 @@ def errors_on_every_rank(fn: Callable, ranks: int = 2):
     with spmd.comm_stats() as stats:
         got = spmd.launch(per_rank, (ranks,), ("sp",), timeout=10)
     return got, stats
+
+
+def assert_only_halo_bytes(stats, op: str, in_sizes, out_sizes, window, L: int,
+                           row_bytes: int) -> None:
+    """The windowed op ``op`` moved exactly the rows each rank lacks (its ``window`` of
+    output rows, clipped to the global input of length ``L``, minus its shard), once in
+    forward and once back in backward, in one exchange per rank and pass."""
+    rows, start, o0 = [], 0, 0
+    for s, m in zip(in_sizes, out_sizes):
+        if m == 0:
+            rows.append(0)
+        else:
+            a, b = window(o0, o0 + m)
+            a, b = max(a, 0), min(b, L)
+            rows.append(max(b - a, 0) - max(min(b, start + s) - max(a, start), 0))
+        start, o0 = start + s, o0 + m
+    want = sum(rows) * row_bytes
+    assert stats.bytes(op, pass_="forward") == want > 0
+    assert stats.bytes(op, pass_="backward") == want  # the transpose sends them back
+    assert stats.calls() == 2 * len(in_sizes)  # no size exchange
+    assert stats.bytes() == 2 * want

@@ -259,6 +259,20 @@ def unused_single(model, x, world):
             [None if p.grad is None else p.grad.clone() for p in model.parameters()])
 
 
+def check_unused(got, model, x, world, tol):
+    """Every rank's parameters and gradients equal ``unused_single``'s: ``only0`` (used
+    by rank 0 only) gets the reduced gradient everywhere, ``never`` keeps grad None."""
+    want_p, want_g = unused_single(model, x, world)
+    names = [n for n, _ in model.named_parameters()]
+    for params, grads in got:
+        for n, p, q, g, h in zip(names, params, want_p, grads, want_g):
+            torch.testing.assert_close(p, q, **tol, msg=n)
+            if n.startswith("never"):
+                assert g is None and h is None, n
+            else:
+                torch.testing.assert_close(g, h, **tol, msg=n)
+
+
 # -- start-up -----------------------------------------------------------------------------------
 
 def startup(mesh, init, seed_by_rank, shape_by_rank=False):

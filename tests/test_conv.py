@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, compare_op, drawn_layout, errors_on_every_rank, mesh_and_spec
+from _ops import (
+    F64,
+    assert_only_halo_bytes,
+    compare_op,
+    drawn_layout,
+    errors_on_every_rank,
+    mesh_and_spec,
+)
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -259,20 +266,6 @@ def test_zero_size_shards_and_layout_kept_for_stride_1():
 
 # -- bytes moved -------------------------------------------------------------------------------
 
-def _halo_rows(sizes, out_sizes, window, L):
-    """Rows each rank lacks: its window clipped to the global input, minus its shard."""
-    rows, start, o0 = [], 0, 0
-    for s, m in zip(sizes, out_sizes):
-        if m == 0:
-            rows.append(0)
-        else:
-            a, b = window(o0, o0 + m)
-            a, b = max(a, 0), min(b, L)
-            rows.append(max(b - a, 0) - max(min(b, start + s) - max(a, start), 0))
-        start, o0 = start + s, o0 + m
-    return rows
-
-
 @pytest.mark.parametrize("k,stride,padding,sizes", [
     (3, 1, 1, None), (3, 2, 1, None), (5, 1, 2, [2, 9, 1, 4]), (2, 2, 0, [5, 3, 5, 3])])
 def test_bytes_moved_equal_the_halo_bytes(k, stride, padding, sizes):
@@ -286,13 +279,9 @@ def test_bytes_moved_equal_the_halo_bytes(k, stride, padding, sizes):
     with spmd.comm_stats() as stats:
         y = spmd.shard_map(f, mesh, lay, out)(x)
         y.sum().backward()
-    rows = _halo_rows(lay.sizes[2], out.sizes[2],
-                      lambda o0, o1: (stride * o0 - padding, stride * (o1 - 1) + k - padding), H)
-    want = sum(rows) * C * W * 8
-    assert stats.bytes("conv2d", pass_="forward") == want > 0
-    assert stats.bytes("conv2d", pass_="backward") == want  # the transpose sends them back
-    assert stats.calls() == 2 * 4  # one exchange per rank and pass: no size exchange
-    assert stats.bytes() == 2 * want
+    assert_only_halo_bytes(
+        stats, "conv2d", lay.sizes[2], out.sizes[2],
+        lambda o0, o1: (stride * o0 - padding, stride * (o1 - 1) + k - padding), H, C * W * 8)
 
 
 # -- bad input -----------------------------------------------------------------------------------

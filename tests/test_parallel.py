@@ -19,13 +19,13 @@ from _parallel_cases import (
     MLP,
     Partly,
     check_train,
+    check_unused,
     loss,
     make,
     startup,
     train,
     train_single,
     unused,
-    unused_single,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -333,15 +333,7 @@ def test_unused_parameters_do_not_hang_and_match_single_device(view):
     model, x = Partly(), torch.randn(4, 3, dtype=torch.float64)
     cfg = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5, grad_as_view=view)
     got = spmd.launch(unused, (2,), "dp", args=(model, x, cfg), timeout=20)
-    want_p, want_g = unused_single(model, x, 2)
-    names = [n for n, _ in model.named_parameters()]
-    for params, grads in got:
-        for n, p, q, g, h in zip(names, params, want_p, grads, want_g):
-            torch.testing.assert_close(p, q, **TOL, msg=n)
-            if n.startswith("never"):
-                assert g is None and h is None, n
-            else:
-                torch.testing.assert_close(g, h, **TOL, msg=n)
+    check_unused(got, model, x, 2, TOL)
 
 
 def _misuse(mesh):

@@ -14,12 +14,12 @@ import torch
 from _parallel_cases import (
     Partly,
     check_train,
+    check_unused,
     make,
     startup,
     train,
     train_single,
     unused,
-    unused_single,
 )
 
 import spmd
@@ -160,15 +160,7 @@ def test_unused_parameters_world2(gloo2):
     torch.manual_seed(16)
     model, x = Partly(), torch.randn(4, 3, dtype=torch.float64)
     got = gloo2.run(unused, (2,), "dp", args=(model, x, SMALL), timeout=20)
-    want_p, want_g = unused_single(model, x, 2)
-    names = [n for n, _ in model.named_parameters()]
-    for params, grads in got:
-        for n, p, q, g, h in zip(names, params, want_p, grads, want_g):
-            torch.testing.assert_close(p, q, **TOL, msg=n)
-            if n.startswith("never"):
-                assert g is None and h is None, n
-            else:
-                torch.testing.assert_close(g, h, **TOL, msg=n)
+    check_unused(got, model, x, 2, TOL)
 
 
 def test_startup_world2(gloo2):

@@ -9,10 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, compare_op, drawn_layout, errors_on_every_rank, mesh_and_spec
+from _ops import (
+    F64,
+    assert_only_halo_bytes,
+    compare_op,
+    drawn_layout,
+    errors_on_every_rank,
+    mesh_and_spec,
+)
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from test_conv import _halo_rows
 
 import spmd
 from spmd import Layout, P
@@ -344,13 +350,9 @@ def test_bytes_moved_equal_the_halo_bytes(op, k, stride, padding, sizes):
     with spmd.comm_stats() as stats:
         y = spmd.shard_map(f, mesh, lay, out)(x)
         y.sum().backward()
-    rows = _halo_rows(lay.sizes[2], out.sizes[2],
-                      lambda o0, o1: (stride * o0 - padding, stride * (o1 - 1) + k - padding), H)
-    want = sum(rows) * C * W * 8
-    assert stats.bytes(op, pass_="forward") == want > 0
-    assert stats.bytes(op, pass_="backward") == want
-    assert stats.calls() == 2 * 4  # one exchange per rank and pass: no size exchange
-    assert stats.bytes() == 2 * want
+    assert_only_halo_bytes(
+        stats, op, lay.sizes[2], out.sizes[2],
+        lambda o0, o1: (stride * o0 - padding, stride * (o1 - 1) + k - padding), H, C * W * 8)
 
 
 # -- bad input -----------------------------------------------------------------------------------
