@@ -175,11 +175,6 @@ class Upsample(_Sharded, nn.Upsample):
         return ops.interpolate(x, self.size, self.scale_factor, self.mode, self.align_corners,
                                self.recompute_scale_factor, mesh=self.mesh, spec=self.spec)
 
-    def to_torch(self) -> nn.Module:
-        base = nn.Upsample.__new__(nn.Upsample)
-        base.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("mesh", "spec")})
-        return base
-
 
 # -- padding layers --------------------------------------------------------------------------
 

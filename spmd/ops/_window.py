@@ -141,17 +141,14 @@ class _MeshOf:
         return hash((self.axis_names, self.shape))
 
 
-def refuse_split(layout: Layout, dims: Sequence[int], what: str, why: str) -> None:
-    """A SpecError, before any communication, if ``layout`` splits one of ``dims``."""
+def refuse_split(layout: Layout | Any, dims: Sequence[int], what: str, why: str) -> None:
+    """A SpecError, before any communication, if ``layout`` (a Layout or a spec) splits
+    one of ``dims``."""
     spec = layout.spec if isinstance(layout, Layout) else as_spec(layout)
     for d in dims:
         if spec.entry(d) is not None:
             raise SpecError(f"{what}: the spec {spec!r} splits dim {d} ({why}); keep it whole "
                             f"(None in the spec) and split a spatial or batch dim instead")
-
-
-def spec_of(spec: Any) -> P:
-    return spec.spec if isinstance(spec, Layout) else as_spec(spec)
 
 
 def link(out: torch.Tensor, *tensors: torch.Tensor | None) -> torch.Tensor:

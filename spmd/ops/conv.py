@@ -31,7 +31,6 @@ from ._window import (
     out_layout,
     out_sizes,
     refuse_split,
-    spec_of,
     with_layout,
 )
 
@@ -153,7 +152,7 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
           padding_mode: str) -> torch.Tensor:
     what = f"conv{n}d"
     check_ndim(x, n, what)
-    refuse_split(spec_of(spec), (1,), what, "the channels, which every output reads")
+    refuse_split(spec, (1,), what, "the channels, which every output reads")
     _check_weight(x, weight, bias, groups, n, what, transposed=False)
     mode = _mode(padding_mode, what)
     k = tuple(weight.shape[2:])
@@ -324,7 +323,7 @@ def _conv_transpose(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
                     mesh: Mesh, spec: Any) -> torch.Tensor:
     what = f"conv_transpose{n}d"
     check_ndim(x, n, what)
-    refuse_split(spec_of(spec), (1,), what, "the channels, which every output reads")
+    refuse_split(spec, (1,), what, "the channels, which every output reads")
     _check_weight(x, weight, bias, groups, n, what, transposed=True)
     st, dl = ntuple(stride, n, "stride", what), ntuple(dilation, n, "dilation", what)
     pd = ntuple(padding, n, "padding", what)
@@ -342,7 +341,7 @@ def _conv_transpose(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
             if crop is not None and (a, b) != (0, lay.shape[dim]):
                 xf = xf.narrow(dim, a, b - a)
         else:
-            rng, crop = plans[dim][lay.shard_index(rc.rank, dim)]
+            _, crop = plans[dim][lay.shard_index(rc.rank, dim)]
             xf = fetch(xf, rc, lay, dim, tuple(r for r, _ in plans[dim]), name=what)
         empty |= crop is None
         crops.append(crop)
