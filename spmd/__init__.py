@@ -29,12 +29,13 @@ from .reduction import reduce
 from .scatter_gather import backward, gather, scatter
 from .shard_map import shard_map
 from .spec import P
+from .visualize import visualize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder",
-    "shard_map", "launch", "custom_vjp", "comm_stats", "CommStats",
+    "shard_map", "launch", "visualize", "custom_vjp", "comm_stats", "CommStats",
     "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
