@@ -78,7 +78,10 @@ def on_mesh(mesh: Mesh, what: str, x: object = None, *, tensor: bool = True) -> 
         raise TypeError(f"{what}: expected a tensor, got {describe(x)}")
     rc = current(what)
     if rc.mesh is not mesh:
-        raise SpecError(f"{what}: called with {mesh!r} but this code runs on {rc.mesh!r}")
+        hint = ("; they are different Mesh objects of the same shape: pass the mesh this "
+                "code runs on (the one shard_map's body closes over, or the one spmd.launch "
+                "passes to fn)") if repr(mesh) == repr(rc.mesh) else ""
+        raise SpecError(f"{what}: called with {mesh!r} but this code runs on {rc.mesh!r}{hint}")
     return rc
 
 

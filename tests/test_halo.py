@@ -243,3 +243,13 @@ def test_gloo_matches_threads(gloo2, mode):
     for (gy, gg), (wy, wg) in zip(got, want):
         torch.testing.assert_close(gy, wy, rtol=0, atol=0)
         torch.testing.assert_close(gg, wg, rtol=0, atol=0)
+
+
+def test_another_mesh_object_of_the_same_shape_is_refused_with_a_hint():
+    other = spmd.Mesh((2,), ("sp",))
+
+    def per_rank(mesh):
+        spmd.halo_pad(torch.ones(2), other, "sp", 0, 1)
+
+    with pytest.raises(spmd.SpecError, match="different Mesh objects of the same shape"):
+        spmd.launch(per_rank, (2,), ("sp",))
