@@ -273,7 +273,7 @@ def _holders(idx: tuple[int, ...], layout: Layout, mesh: Mesh) -> list[int]:
 
 def _where(idx: tuple[int, ...], layout: Layout | None, mesh: Mesh) -> str:
     if layout is None:
-        return "held by a rank this view cannot tell (uneven shards in per-rank code)"
+        return "on a rank per-rank code cannot name (uneven shards: pass a Layout out spec)"
     holders = _holders(idx, layout, mesh)
     if not layout.split_dims:
         return "held by every rank (replicated)"
