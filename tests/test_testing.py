@@ -305,3 +305,22 @@ def test_a_wrong_structure_and_bad_arguments():
     with pytest.raises(TypeError, match="dtype must be a floating dtype"):
         assert_matches_single_device(lambda x: x, lambda x: x, mesh, P("sp"), P("sp"), _x(4),
                                      dtype=torch.int32)
+
+
+def test_per_rank_code_checks_and_names_ranks_of_balanced_shards():
+    x = _x(7, 2)
+
+    def per_rank(mesh):
+        assert_matches_single_device(lambda x: spmd.psum(x.sum(0), "sp"), lambda x: x.sum(0),
+                                     mesh, P("sp"), P(), x)
+        try:
+            assert_matches_single_device(lambda x: x + (spmd.axis_index("sp") == 2),
+                                         lambda x: x, mesh, P("sp"), P("sp"), x)
+        except AssertionError as e:
+            return str(e)
+
+    msgs = spmd.launch(per_rank, (3,), ("sp",), timeout=20)
+    # balanced sizes 3, 2, 2: rank 2 holds rows 5 and 6
+    assert all("output differs from the float64 single-device reference in 4 of 14" in m
+               and "First at global index (5, 0), held by rank 2 at local index (0, 0)" in m
+               and m.endswith("Ranks with differing elements: [2].") for m in msgs), msgs
