@@ -22,7 +22,9 @@ def groups_of(shape, names, axes):
 
 def shard_map_vs_single_device(f_local, f_global, mesh, in_specs, out_specs, args, **kw):
     """One shard_map call and the same computation on one device, both differentiated
-    from the same random linear functional of the outputs.
+    from the same random linear functional of the outputs, for the gloo tests, which
+    compare what every process holds in the main process (threads tests use
+    spmd.testing.assert_matches_single_device).
 
     Returns ``(got, want)``: the outputs followed by the gradients of every argument
     (None where an argument gets none), sharded and single-device.

@@ -8,19 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import (
-    F64,
-    assert_only_halo_bytes,
-    compare_op,
-    drawn_layout,
-    errors_on_every_rank,
-    mesh_and_spec,
-)
+from _ops import F64, TOL, assert_only_halo_bytes, errors_on_every_rank, mesh_and_spec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import spmd
 from spmd import Layout, P
+from spmd.testing import assert_matches_single_device
+from spmd.testing import strategies as sst
 
 MODES = ["zeros", "reflect", "replicate", "circular"]
 
@@ -65,7 +60,7 @@ def conv_cases(draw, n):
                "pairs": tuple((draw(st.integers(0, 3)), draw(st.integers(0, 3))) for _ in range(n))}[kind]
     mode = draw(st.sampled_from(MODES))
     shape = (batch, c_in, *lens)
-    lay = drawn_layout(draw, shape, mesh, spec)
+    lay = draw(sst.layouts(shape, mesh, spec))
     return dict(n=n, mesh=mesh, lay=lay, shape=shape, k=k, stride=stride, dilation=dilation,
                 padding=padding, groups=groups, c_out=c_out, mode=mode,
                 bias=draw(st.booleans()), by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
@@ -95,7 +90,7 @@ def run_conv(c):
 
 
 def _compare_or_refused(local, glob, mesh, lay, out_layout, x, params, seed):
-    """compare_op, or, where torch refuses the global call, a RuntimeError on every rank."""
+    """assert_matches_single_device, or, where torch refuses the global call, a RuntimeError on every rank."""
     try:
         glob(x, *params)
     except RuntimeError:
@@ -103,7 +98,8 @@ def _compare_or_refused(local, glob, mesh, lay, out_layout, x, params, seed):
         with pytest.raises(RuntimeError):
             spmd.shard_map(lambda x: local(x, *params), mesh, lay, lay.spec)(x)
         return None
-    return compare_op(local, glob, mesh, lay, out_layout(), x, params, seed=seed)
+    return assert_matches_single_device(local, glob, mesh, lay, out_layout(), x, params=params,
+                                        seed=seed, **TOL)
 
 
 @settings(max_examples=300)
@@ -130,7 +126,7 @@ def convt_cases(draw, n):
     dilation = tuple(draw(st.integers(1, 2)) for _ in range(n))
     out_pad = tuple(draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
     shape = (batch, 2 * groups, *lens)
-    return dict(n=n, mesh=mesh, lay=drawn_layout(draw, shape, mesh, spec), shape=shape,
+    return dict(n=n, mesh=mesh, lay=draw(sst.layouts(shape, mesh, spec)), shape=shape,
                 k=tuple(draw(st.integers(1, 4)) for _ in range(n)), stride=stride,
                 dilation=dilation, padding=tuple(draw(st.integers(0, 3)) for _ in range(n)),
                 output_padding=out_pad, groups=groups, c_out=draw(st.sampled_from([1, 3])),

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from spmd import Layout, Mesh, P, SpecError
 from spmd.layout import balanced_sizes
 from spmd.spec import entry_axes
+from spmd.testing import strategies as sst
 
 # -- balanced_sizes ----------------------------------------------------------------------
 
@@ -191,35 +192,13 @@ def test_exhaustive_explicit_sizes_1d():
 
 @st.composite
 def layouts(draw):
-    mesh_shape = draw(st.sampled_from([(k,) for k in range(1, 5)]) | st.tuples(
-        st.integers(1, 4), st.integers(1, 4)))
-    mesh = _mesh(mesh_shape)
-    ndim = draw(st.integers(1, 3))
-    shape = tuple(draw(st.lists(st.integers(0, 12), min_size=ndim, max_size=ndim)))
-    # assign each mesh axis to a dim or to nothing (replicated)
-    per_dim: list[list[str]] = [[] for _ in range(ndim)]
-    for a in draw(st.permutations(mesh.axis_names)):
-        d = draw(st.integers(-1, ndim - 1))
-        if d >= 0:
-            per_dim[d].append(a)
-    entries = []
-    for axes in per_dim:
-        if not axes:
-            entries.append(None)
-        elif len(axes) == 1 and draw(st.booleans()):
-            entries.append(axes[0])
-        else:
-            entries.append(tuple(axes))
-    last = max([i + 1 for i, e in enumerate(entries) if e is not None], default=0)
-    keep = draw(st.integers(last, ndim))
-    spec = P(*entries[:keep])
-    sizes = {}
-    for d, axes in enumerate(per_dim):
-        if axes and draw(st.booleans()):
-            k = mesh.axis_size(tuple(axes))
-            cuts = sorted(draw(st.lists(st.integers(0, shape[d]), min_size=k - 1, max_size=k - 1)))
-            b = [0, *cuts, shape[d]]
-            sizes[d] = [b[i + 1] - b[i] for i in range(k)]
+    mesh = draw(sst.meshes(16, axis_names=("x", "y")))
+    shape = draw(sst.shapes(range(1, 4), 0, 12))
+    spec = draw(sst.specs(mesh, len(shape)))
+    # explicit sizes on some split dims, balanced on the others
+    probe = Layout(shape, spec, mesh)
+    sizes = {d: draw(sst.split_sizes(shape[d], len(probe.sizes[d]))) for d in probe.split_dims
+             if draw(st.booleans())}
     as_seq = draw(st.booleans())
     return mesh, shape, spec, sizes, as_seq
 

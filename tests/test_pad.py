@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import F64, compare_op, split_sizes
+from _ops import F64
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import spmd
 from spmd import Layout, P
 from spmd.halo import check_mode
+from spmd.testing import assert_matches_single_device
+from spmd.testing import strategies as sst
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 MODES = ["constant", "reflect", "replicate", "circular"]
@@ -36,15 +38,13 @@ def pad_cases(draw):
     ndim = draw(st.integers(1, 3))
     kind = draw(st.sampled_from(["1d", "2d"] if ndim >= 2 else ["1d"]))
     if kind == "1d":
-        mesh = spmd.Mesh((draw(st.integers(1, 4)),), ("sp",))
+        mesh = draw(sst.meshes(4, ndims=1))
         spec = P(*([None] * draw(st.integers(0, ndim - 1))), "sp")
     else:
         mesh = spmd.Mesh((2, 2), ("x", "y"))
         spec = P(*([None] * (ndim - 2)), "x", "y")
     shape = tuple(draw(st.integers(0 if ndim == 1 else 1, 7)) for _ in range(ndim))
-    lay = Layout(shape, spec, mesh)
-    lay = Layout(shape, spec, mesh, {d: split_sizes(draw, st, shape[d], len(lay.sizes[d]))
-                                     for d in lay.split_dims})
+    lay = draw(sst.layouts(shape, mesh, spec))
     mode = draw(st.sampled_from(MODES))
     k = draw(st.integers(1, min(ndim, 3) if mode != "constant" else ndim))
     pad = tuple(draw(st.integers(-3, 4)) for _ in range(2 * k))
@@ -82,7 +82,7 @@ def run_pad(c):
             spmd.shard_map(local, mesh, lay, lay.spec)(x)
         return None
     out = spmd.ops.pad.output_layout(lay, pad, mode)
-    y = compare_op(local, glob, mesh, lay, out, x, seed=c["seed"], tol=TOL)
+    y = assert_matches_single_device(local, glob, mesh, lay, out, x, seed=c["seed"], **TOL)
     return y, out
 
 
@@ -120,7 +120,7 @@ def test_a_chain_of_pads_on_an_uneven_layout_stays_consistent():
     for p, m in chain:
         out = spmd.ops.pad.output_layout(out, p, m)
     x = torch.randn(2, 1, 8, dtype=F64)
-    compare_op(local, glob, mesh, lay, out, x, tol=TOL)
+    assert_matches_single_device(local, glob, mesh, lay, out, x, **TOL)
 
 
 def test_a_constant_pad_moves_no_payload():

@@ -9,19 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _ops import (
-    F64,
-    assert_only_halo_bytes,
-    compare_op,
-    drawn_layout,
-    errors_on_every_rank,
-    mesh_and_spec,
-)
+from _ops import F64, TOL, assert_only_halo_bytes, errors_on_every_rank, mesh_and_spec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import spmd
 from spmd import Layout, P
+from spmd.testing import assert_matches_single_device
+from spmd.testing import strategies as sst
 
 EXACT = dict(rtol=0, atol=0, equal_nan=True)
 
@@ -65,7 +60,7 @@ def _nt(v, n):
 
 def run_pool(c):
     """``spmd.ops.<op>`` against ``F.<op>`` on the global input: max values and indices
-    exactly, outputs and input gradients by compare_op; a torch refusal must be raised by
+    exactly, outputs and input gradients by assert_matches_single_device; a torch refusal must be raised by
     the sharded call too."""
     name, kw, mesh, lay = c["op"], c["kw"], c["mesh"], c["lay"]
     x = _input(lay.shape, c.get("values", "randn"), c["seed"])
@@ -93,8 +88,9 @@ def run_pool(c):
             event("a window without data")
             return None
     # an empty output: torch's adaptive_max backward refuses it, so compare values only
-    return compare_op(lambda x: _first(local(x)), lambda x: _first(ref(x, **kw)), mesh, lay,
-                      out_lay, x, seed=c["seed"], check_grad=_first(want).numel() > 0)
+    return assert_matches_single_device(
+        lambda x: _first(local(x)), lambda x: _first(ref(x, **kw)), mesh, lay, out_lay, x,
+        seed=c["seed"], check_grad=_first(want).numel() > 0, **TOL)
 
 
 # -- hypothesis -------------------------------------------------------------------------------
@@ -122,7 +118,7 @@ def pool_cases(draw, n, kind):
         if n > 1 and draw(st.integers(0, 3)) == 0:
             kw["divisor_override"] = draw(st.sampled_from([-3, 0, 1, 2, 5]))
         values = "randn"
-    return dict(op=f"{kind}_pool{n}d", kw=kw, mesh=mesh, lay=drawn_layout(draw, shape, mesh, spec),
+    return dict(op=f"{kind}_pool{n}d", kw=kw, mesh=mesh, lay=draw(sst.layouts(shape, mesh, spec)),
                 values=values, by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
 
 
@@ -143,7 +139,7 @@ def adaptive_cases(draw, n, kind):
         kw["return_indices"] = draw(st.booleans())
         values = draw(st.sampled_from(["randn", "ties", "-inf"]))
     return dict(op=f"adaptive_{kind}_pool{n}d", kw=kw, mesh=mesh,
-                lay=drawn_layout(draw, shape, mesh, spec), values=values,
+                lay=draw(sst.layouts(shape, mesh, spec)), values=values,
                 by_layout=draw(st.booleans()), seed=draw(st.integers(0, 99)))
 
 

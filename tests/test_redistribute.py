@@ -7,13 +7,13 @@ import itertools
 
 import pytest
 import torch
-from _reference import shard_map_vs_single_device
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.testing import check_adjoint
+from spmd.testing import assert_matches_single_device, check_adjoint
+from spmd.testing import strategies as sst
 
 F64 = torch.float64
 MESHES = [((1,), ("a",)), ((2,), ("a",)), ((3,), ("a",)), ((4,), ("a",)),
@@ -31,11 +31,6 @@ def specs_2d(names):
     return out
 
 
-def _partition(draw, total, parts):
-    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=parts - 1, max_size=parts - 1)))
-    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
-
-
 @st.composite
 def cases(draw):
     shape, names = draw(st.sampled_from(MESHES))
@@ -47,7 +42,7 @@ def cases(draw):
     for spec in (src, dst):
         probe = spmd.Layout(gshape, spec, mesh)
         if draw(st.booleans()):
-            sizes.append({d: _partition(draw, gshape[d], len(probe.sizes[d]))
+            sizes.append({d: draw(sst.split_sizes(gshape[d], len(probe.sizes[d])))
                           for d in probe.split_dims})
         else:
             sizes.append(None)
@@ -81,11 +76,9 @@ def test_gradients_through_shard_map_equal_identity(case):
     x = torch.randn(gshape, dtype=F64, generator=torch.Generator().manual_seed(0))
     src_lay = spmd.Layout(gshape, src, mesh, ssz)
     dst_lay = spmd.Layout(gshape, dst, mesh, dsz)
-    got, want = shard_map_vs_single_device(
+    assert_matches_single_device(
         lambda x: spmd.redistribute(x, mesh, src, dst, src_sizes=ssz, dst_sizes=dsz) * 2,
-        lambda x: x * 2, mesh, src_lay, dst_lay, [x])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        lambda x: x * 2, mesh, src_lay, dst_lay, x, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("src,dst", [(P("a", "b"), P("b", "a")), (P("a", "b"), P()),

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import spmd
 from spmd import P
 from spmd.reduction import reduce
+from spmd.testing import strategies as sst
 
 F64 = torch.float64
 OPS = ["sum", "mean", "max", "min"]
@@ -105,16 +106,7 @@ def cases(draw):
     mesh_shape, names = draw(st.sampled_from(MESHES))
     ndim = draw(st.integers(1, 3))
     # Each mesh axis splits one dim or none; a dim split by several axes is tuple-split.
-    where = [draw(st.integers(-1, ndim - 1)) for _ in names]
-    entries = []
-    for d in range(ndim):
-        axes = [a for a, w in zip(names, where) if w == d]
-        if len(axes) > 1 and draw(st.booleans()):
-            axes = axes[::-1]
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
-    while entries and entries[-1] is None and draw(st.booleans()):
-        entries.pop()
-    spec = P(*entries)
+    spec = draw(sst.specs(spmd.Mesh(mesh_shape, names), ndim))
     sizes, shape = {}, []
     for d in range(ndim):
         e = spec.entry(d)

@@ -7,30 +7,15 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P, SpecError
+from spmd.testing import strategies as sst
 
 AXES = ("a", "b", "c", "d", "e")
 
 
-@st.composite
-def specs(draw):
-    """A valid spec over AXES: each axis used at most once, as plain or tuple entries."""
-    order = draw(st.permutations(AXES))
-    n_used = draw(st.integers(0, len(AXES)))
-    pool = list(order[:n_used])
-    entries = []
-    while pool or draw(st.booleans()):
-        if len(entries) >= 6:
-            break
-        kind = draw(st.sampled_from(["none", "name", "tuple"]))
-        if kind == "none" or not pool:
-            entries.append(None)
-        elif kind == "name":
-            entries.append(pool.pop())
-        else:
-            k = draw(st.integers(1, len(pool)))
-            entries.append(tuple(pool[:k]))
-            del pool[:k]
-    return entries
+def specs():
+    """The entries of a valid spec over AXES (up to 6 dims): each axis used at most once,
+    as plain or tuple entries."""
+    return sst.specs(spmd.Mesh((1,) * len(AXES), AXES), 6).map(list)
 
 
 # -- valid entries -----------------------------------------------------------------------
