@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
-from .errors import CommTimeout, SpecError
+from .errors import CommAborted, CommTimeout, SpecError
 
 __all__ = ["ProcessPool", "launch_processes"]
 
@@ -277,20 +277,25 @@ class ProcessPool:
 
 def _raise_first(errors: list[tuple[int, tuple]]):
     from .launch import tag_rank
-    rank, msg = errors[0]
-    kind, _, blob, text, tb = msg
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001 - fall back to the text
-            exc = None
+    excs = [_load(msg[2]) for _, msg in errors]
+    # A rank whose collective broke because a peer failed or died (CommAborted) shows a
+    # symptom that may arrive before the cause: report the first cause, as threads do.
+    i = min(range(len(errors)), key=lambda i: isinstance(excs[i], CommAborted))
+    (rank, msg), exc = errors[i], excs[i]
+    _, _, _, text, tb = msg
     if exc is None:
         detail = f"{text}" + (f"\n\ntraceback on rank {rank}:\n{tb}" if tb else "")
         raise RuntimeError(f"rank {rank}: {detail}")
     if tb and hasattr(exc, "add_note"):
         exc.add_note(f"traceback on rank {rank}:\n{tb}")
     raise tag_rank(exc, rank)
+
+
+def _load(blob: bytes | None) -> BaseException | None:
+    try:
+        return None if blob is None else pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - the caller falls back to the text
+        return None
 
 
 def _end(procs: list) -> None:

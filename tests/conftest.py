@@ -11,17 +11,23 @@ settings.register_profile("dev", deadline=None, max_examples=300,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _close_gloo_pools():
+    """No gloo process outlives the session (the pools are spmd.testing's shared ones)."""
+    yield
+    from spmd.testing import runner
+    runner.close_pools()
+
+
 @pytest.fixture(scope="session")
 def gloo2():
-    """A persistent pool of 2 gloo processes (started once per session)."""
-    from spmd._procs import ProcessPool
-    with ProcessPool(2, timeout=60) as pool:
-        yield pool
+    """The persistent pool of 2 gloo processes that ``@spmd.testing.on_mesh`` uses too."""
+    from spmd.testing import runner
+    return runner.pool(2)
 
 
 @pytest.fixture(scope="session")
 def gloo4():
-    """A persistent pool of 4 gloo processes (oversubscribed on 2 cores: few tests)."""
-    from spmd._procs import ProcessPool
-    with ProcessPool(4, timeout=60) as pool:
-        yield pool
+    """The persistent pool of 4 gloo processes (oversubscribed on 2 cores: few tests)."""
+    from spmd.testing import runner
+    return runner.pool(4)

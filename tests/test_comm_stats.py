@@ -5,6 +5,7 @@ import torch
 
 import spmd
 from spmd import P
+from spmd.testing import on_mesh
 
 F32 = 4
 
@@ -67,15 +68,15 @@ def test_other_collectives_and_nothing_outside_the_block():
     assert "broadcast" in str(s)
 
 
-def test_gloo_counts_the_same(gloo2):
-    got = gloo2.run(_gloo_body, (2,), ("sp",))
-    # Rank 0 sends forward; the backward ppermute sends the cotangent from rank 1 back.
-    assert got == [(1, 3 * F32, 1, 0), (1, 0, 1, 3 * F32)]
-
-
-def _gloo_body(mesh):
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_each_rank_counts_the_same_on_threads_and_gloo(mesh):
     x = torch.ones(3, requires_grad=True)
     with spmd.comm_stats() as s:
         spmd.ppermute(x, "sp", [(0, 1)]).sum().backward()
-    return (s.calls("ppermute", pass_="forward"), s.bytes("ppermute", pass_="forward"),
-            s.calls("ppermute", pass_="backward"), s.bytes("ppermute", pass_="backward"))
+    # A threads block sees every rank, a process only its own: look at this rank's calls.
+    r = mesh.rank
+    got = (s.calls("ppermute", pass_="forward", rank=r), s.bytes("ppermute", pass_="forward", rank=r),
+           s.calls("ppermute", pass_="backward", rank=r), s.bytes("ppermute", pass_="backward", rank=r))
+    # Rank 0 sends forward; the backward ppermute sends the cotangent from rank 1 back.
+    assert got == [(1, 3 * F32, 1, 0), (1, 0, 1, 3 * F32)][r]
+    assert s.calls(rank=r) == 2

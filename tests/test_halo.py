@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.testing import check_adjoint
+from spmd.testing import check_adjoint, on_mesh
 
 F64 = torch.float64
 MODES = ["constant", "reflect", "replicate", "circular"]
@@ -226,23 +226,19 @@ def test_errors():
         spmd.halo_trim(torch.ones(3), 0, (2, 2))
 
 
-def _gloo_halo(mesh, mode):
+@pytest.mark.parametrize("mode", ["reflect", "circular"])
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_matches_f_pad_on_threads_and_gloo(mesh, mode):
     xg = torch.arange(14.0, dtype=F64).reshape(7, 2)
-    lay = spmd.Layout(xg.shape, P("sp"), mesh)
-    x = lay.shard(xg, mesh.rank).clone().requires_grad_()
+    x = spmd.Layout(xg.shape, P("sp"), mesh).shard(xg, mesh.rank).clone().requires_grad_()
     y = spmd.halo_pad(x, mesh, "sp", 0, (3, 2), mode=mode)  # rows [4, 3]
     y.sum().backward()
-    return y.detach(), x.grad
-
-
-@pytest.mark.gloo
-@pytest.mark.parametrize("mode", ["reflect", "circular"])
-def test_gloo_matches_threads(gloo2, mode):
-    got = gloo2.run(_gloo_halo, (2,), ("sp",), args=(mode,))
-    want = spmd.launch(_gloo_halo, (2,), ("sp",), args=(mode,))
-    for (gy, gg), (wy, wg) in zip(got, want):
-        torch.testing.assert_close(gy, wy, rtol=0, atol=0)
-        torch.testing.assert_close(gg, wg, rtol=0, atol=0)
+    xr = xg.clone().requires_grad_()
+    full = ref_pad(xr, 0, 3, 2, mode, 0.0)
+    parts = [full[0:9], full[4:12]]  # each rank's 4 or 3 rows and the 3 + 2 halo rows
+    torch.testing.assert_close(y, parts[mesh.rank].detach(), rtol=0, atol=0)
+    sum(p.sum() for p in parts).backward()  # every rank's loss, on one device
+    torch.testing.assert_close(x.grad, xr.grad[[0, 4][mesh.rank]:][:x.shape[0]], rtol=0, atol=0)
 
 
 def test_another_mesh_object_of_the_same_shape_is_refused_with_a_hint():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.testing import assert_matches_single_device, check_adjoint
+from spmd.testing import assert_matches_single_device, check_adjoint, on_mesh
 from spmd.testing import strategies as sst
 
 F64 = torch.float64
@@ -154,20 +154,18 @@ def test_errors():
             torch.ones(4))
 
 
-def _gloo_redistribute(mesh):
-    xg = torch.arange(35.0, dtype=F64).reshape(7, 5)
-    lay = spmd.Layout(xg.shape, P("a"), mesh)
-    x = lay.shard(xg, mesh.rank).clone().requires_grad_()
+@on_mesh(2, "a", backends=("threads", "gloo"))
+def test_rows_to_columns_to_replicated_on_threads_and_gloo(mesh):
+    xg = torch.arange(35.0, dtype=F64).reshape(7, 5) / 3
+    w = torch.arange(35.0, dtype=F64).reshape(7, 5)
+    x = spmd.Layout(xg.shape, P("a"), mesh).shard(xg, mesh.rank).clone().requires_grad_()
     y = spmd.redistribute(x, mesh, P("a"), P(None, "a"))
     z = spmd.redistribute(y, mesh, P(None, "a"), P())
-    (z * torch.arange(35.0, dtype=F64).reshape(7, 5)).sum().backward()
-    return y.detach(), z.detach(), x.grad
-
-
-@pytest.mark.gloo
-def test_gloo_matches_threads(gloo2):
-    got = gloo2.run(_gloo_redistribute, (2,), ("a",))
-    want = spmd.launch(_gloo_redistribute, (2,), ("a",))
-    for g, w in zip(got, want):
-        for a, b in zip(g, w):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (z * w).sum().backward()
+    exact = dict(rtol=0, atol=0)
+    torch.testing.assert_close(y, spmd.Layout(xg.shape, P(None, "a"), mesh).shard(xg, mesh.rank),
+                               **exact)
+    torch.testing.assert_close(z, xg, **exact)
+    # Both ranks backprop their own copy of the loss: the rows get both cotangents.
+    torch.testing.assert_close(x.grad, 2 * spmd.Layout(w.shape, P("a"), mesh).shard(w, mesh.rank),
+                               **exact)

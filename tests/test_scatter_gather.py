@@ -18,7 +18,7 @@ import spmd
 from spmd import P
 from spmd.scatter_gather import backward, gather, scatter
 from spmd.spec import entry_axes
-from spmd.testing import check_adjoint
+from spmd.testing import check_adjoint, on_mesh
 
 F64 = torch.float64
 
@@ -351,25 +351,18 @@ def test_placeholder_pickles_without_node():
 
 # -- gloo -----------------------------------------------------------------------------------
 
-def _gloo_sg(mesh):
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_scatter_then_gather_on_threads_and_gloo(mesh):
     xg = torch.arange(14.0, dtype=F64).reshape(7, 2)
     x = xg.clone().requires_grad_() if mesh.rank == 0 else None
     y = scatter(x, mesh, P("sp"), src=0, sizes={0: [5, 2]})
+    exact(y, [xg[:5], xg[5:]][mesh.rank])
     z = gather(y * (mesh.rank + 2), mesh, P("sp"), dst=1)
-    backward((z ** 2).sum() if mesh.rank == 1 else z)
-    return y.detach(), z.detach() if isinstance(z, torch.Tensor) else z, \
-        (x.grad if mesh.rank == 0 else None)
-
-
-@pytest.mark.gloo
-def test_gloo_matches_threads(gloo2):
-    got = gloo2.run(_gloo_sg, (2,), ("sp",))
-    want = spmd.launch(_gloo_sg, (2,), ("sp",))
-    for g, w in zip(got, want):
-        exact(g[0], w[0])
-        if isinstance(w[1], torch.Tensor):
-            exact(g[1], w[1])
-        else:
-            assert g[1] == w[1]
-        if w[2] is not None:
-            exact(g[2], w[2])
+    scale = torch.tensor([2.0] * 5 + [3.0] * 2, dtype=F64)[:, None]  # each row's rank + 2
+    if mesh.rank == 1:
+        exact(z, xg * scale)
+    else:
+        assert isinstance(z, spmd.Placeholder) and z.shape == (7, 2) and z.dtype == F64
+    backward((z ** 2).sum() if mesh.rank == 1 else z)  # rank 0 takes part without a loss
+    if mesh.rank == 0:
+        exact(x.grad, 2 * xg * scale ** 2)

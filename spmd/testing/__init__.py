@@ -6,6 +6,8 @@
 - ``check_adjoint``: the float64 dot-product test ``<T x, y> == <x, T* y>``.
 - ``strategies`` (needs hypothesis, imported on first use): meshes, split sizes,
   shapes, specs, uneven layouts and whole sharded cases.
+- ``on_mesh``: a pytest decorator that runs one test body on every rank, on threads
+  and on gloo processes; ``run_on_mesh`` runs a function there and returns the results.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import importlib
 from typing import Any
 
 from .adjoint import check_adjoint
+from .runner import on_mesh, run_on_mesh
 from .single_device import assert_matches_single_device
 
-__all__ = ["assert_matches_single_device", "check_adjoint", "strategies"]
+__all__ = ["assert_matches_single_device", "check_adjoint", "on_mesh", "run_on_mesh",
+           "strategies"]
 
 
 def __getattr__(name: str) -> Any:
