@@ -120,8 +120,9 @@ def _report(a: argparse.Namespace, sharded: demo.History, single: demo.History,
     ops = ", ".join(f"{op} {f:,}/{b:,}" for op, (f, b) in by_op.items())
     print(f"  by collective (forward/backward, all ranks): {ops}")
     print("  (conv2d: the halo row each 3x3 convolution takes from each neighbour, and in "
-          "backward its gradient sent back; psum: the loss; all_reduce, on processes: the "
-          "parameter gradients)")
+          "backward the halo's gradient sent back; conv2d sizes: the shards' row counts; "
+          "psum: the loss; shard_map backward, on processes only: the parameter gradients' "
+          "all-reduce)")
 
     print(f"\ntime per step (mean of steps 2-{len(single.losses)}): sharded "
           f"{sharded.seconds_per_step * 1e3:.1f} ms, one device {single.seconds_per_step * 1e3:.1f} ms"

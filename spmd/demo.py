@@ -138,7 +138,7 @@ def make_model(hidden: int = 16, layers: int = 3, seed: int = 0, *,
 
     Example:
         >>> sum(p.numel() for p in make_model(hidden=4).parameters())
-        225
+        261
     """
     torch.manual_seed(seed)
     return HeatCNN(hidden, layers).to(device=device, dtype=dtype)
