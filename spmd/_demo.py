@@ -1,4 +1,4 @@
-"""``python -m spmd demo``: a domain-parallel CNN learns one step of 2-D heat diffusion,
+"""python -m spmd demo: a domain-parallel CNN learns one step of 2-D heat diffusion,
 trained with every field split over a mesh and, side by side, on one device.
 
 The fields' rows are split over the ranks (unevenly unless they divide: 30 rows over
@@ -7,10 +7,11 @@ neighbour; the loss is the global MSE (a psum of the ranks' sums). Both runs sta
 from the same weights and train with Adam; at the end the parameters must agree to
 1e-5 (the exit status says whether they did).
 
-Backends: ``threads`` (a simulated mesh, every rank a thread of this process),
-``gloo`` (one process per rank on 127.0.0.1 via spmd.launch), or torchrun::
+Backends: threads (a simulated mesh, every rank a thread of this process), gloo (one
+process per rank on 127.0.0.1 via spmd.launch), or torchrun (gloo on CPU, NCCL on CUDA;
+add --standalone to rendezvous on a free port):
 
-    torchrun --nproc-per-node 2 -m spmd demo     # gloo on CPU, NCCL on CUDA
+    torchrun --nproc-per-node 2 -m spmd demo --size 29
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m spmd demo", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=4,
+    ap.add_argument("--ranks", type=int, default=None,
                     help="ranks of the mesh (default 4; under torchrun: the world size)")
     ap.add_argument("--size", type=int, default=30,
                     help="rows of every field, split over the ranks (default 30: [8, 8, 7, 7])")
@@ -99,7 +100,9 @@ def _rows(steps: int) -> tuple[list[int], str]:
 
 def _report(a: argparse.Namespace, sharded: demo.History, single: demo.History,
             nbytes: dict[int, tuple[int, int]], by_op: dict[str, tuple[int, int]],
-            note: str) -> bool:
+            note: str, spread: float | None = None) -> bool:
+    """Print the comparison; ``spread``: how far the ranks' own copies of the parameters
+    are apart (processes only), which must be within the tolerance too."""
     steps, which = _rows(len(single.losses))
     print(f"\nlosses ({which}):")
     print(f"  {'step':>5} | {'sharded loss':>14} | {'one-device loss':>15} | {'|diff|':>9}")
@@ -107,9 +110,11 @@ def _report(a: argparse.Namespace, sharded: demo.History, single: demo.History,
         x, y = sharded.losses[s - 1], single.losses[s - 1]
         print(f"  {s:>5} | {x:>14.8e} | {y:>15.8e} | {abs(x - y):>9.2e}")
     diff = demo.max_param_diff(sharded, single)
-    ok = diff < TOL
+    ok = diff < TOL and (spread is None or spread < TOL)
     print(f"\nlargest |parameter difference| after {len(single.losses)} steps: {diff:.2e}  "
           f"{'PASS' if ok else 'FAIL'} (tolerance {TOL:g})")
+    if spread is not None:
+        print(f"  (and between the ranks' copies of the parameters: {spread:.2e})")
 
     print("\nbytes sent per step (spmd.comm_stats()):")
     print(f"  {'rank':>5} | {'forward':>10} | {'backward':>10} | {'total':>10}")
@@ -150,9 +155,10 @@ def _run_local(a: argparse.Namespace) -> bool:
         sharded = demo.train_sharded(model, mesh, data, a.steps, a.lr,
                                      callback=Progress("sharded", a.steps))
         nbytes, by_op = sharded.bytes_per_step, sharded.bytes_by_op
+        spread = None  # the ranks share one copy of the parameters
         note = (f"(the threads mesh runs {a.ranks} ranks as threads of this process on the "
                 f"same cores: it shows the numbers and bytes, not a speed-up)")
-    else:
+    elif a.backend == "gloo":
         from .launch import launch
         _header(a, f"{a.ranks} gloo processes on 127.0.0.1", a.ranks, model)
         t0 = time.perf_counter()
@@ -162,11 +168,12 @@ def _run_local(a: argparse.Namespace) -> bool:
         sharded = hs[0]
         nbytes = {r: h.bytes_per_step.get(r, (0, 0)) for r, h in enumerate(hs)}
         by_op = _sum_ops([h.bytes_by_op for h in hs])
-        note = (f"(gloo: {time.perf_counter() - t0:.1f} s for the run including process "
-                f"start-up; the ranks' parameters differ by at most {spread:.1e})")
+        note = f"(gloo: {time.perf_counter() - t0:.1f} s for the run including process start-up)"
+    else:
+        raise ValueError(f"--backend must be threads or gloo, got {a.backend!r}")
     single = demo.train_single(model, data, a.steps, a.lr,
                                callback=Progress("one device", a.steps))
-    return _report(a, sharded, single, nbytes, by_op, note)
+    return _report(a, sharded, single, nbytes, by_op, note, spread)
 
 
 def _sum_ops(dicts: list[dict[str, tuple[int, int]]]) -> dict[str, tuple[int, int]]:
@@ -203,13 +210,20 @@ def _run_torchrun(a: argparse.Namespace) -> bool:
         dist.all_gather(every, mine)
         ops = [None] * world if rank == 0 else None
         dist.gather_object(sharded.bytes_by_op, ops, dst=0)
+        # Each process holds its own copy of the parameters: how far from rank 0's?
+        flat = torch.cat([p.flatten() for p in sharded.params.values()])
+        ref = flat.clone()
+        dist.broadcast(ref, src=0)
+        spread = (flat - ref).abs().max().reshape(1)
+        dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         verdict = torch.zeros(1, device=mesh.device)
         if rank == 0:
             single = demo.train_single(model, data, a.steps, a.lr,
                                        callback=Progress("one device", a.steps))
             nbytes = {r: tuple(int(v) for v in t.tolist()) for r, t in enumerate(every)}
             ok = _report(a, sharded, single, nbytes, _sum_ops(ops),
-                         f"(torchrun: {world} processes, {dist.get_backend()})")
+                         f"(torchrun: {world} processes, {dist.get_backend()})",
+                         spread.item())
             verdict.fill_(1.0 if ok else 0.0)
         dist.broadcast(verdict, src=0)
         return bool(verdict.item())
@@ -221,9 +235,18 @@ def _run_torchrun(a: argparse.Namespace) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if _under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if a.ranks not in (None, world):
+            ap.error(f"--ranks {a.ranks}: under torchrun the mesh has the world's "
+                     f"{world} ranks; leave --ranks out or pass --nproc-per-node {a.ranks}")
+        a.ranks = world
+    elif a.ranks is None:
+        a.ranks = 4
     for name in ("ranks", "size", "width", "batch", "steps", "hidden"):
         if getattr(a, name) < 1:
-            _parser().error(f"--{name} must be at least 1, got {getattr(a, name)}")
+            ap.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     ok = _run_torchrun(a) if _under_torchrun() else _run_local(a)
     return 0 if ok else 1

@@ -76,6 +76,8 @@ def test_report_fails_above_tolerance(capsys):
     out = capsys.readouterr().out
     assert "2.00e-05  FAIL" in out and out.rstrip().endswith("FAIL")
     assert _demo._report(args, good, good, {0: (10, 20)}, {"psum": (10, 20)}, "")
+    # On processes, ranks whose copies drifted apart fail too.
+    assert not _demo._report(args, good, good, {0: (10, 20)}, {}, "", spread=1e-4)
 
 
 def test_cli_threads():
@@ -105,6 +107,7 @@ def test_cli_gloo(capfd):
     assert "2 gloo processes" in out and "rows split [5, 4]" in out
     assert "training sharded     step    2/2" in out  # rank 0's progress
     assert "shard_map backward" in out  # the processes all-reduce gradients
+    assert "between the ranks' copies of the parameters: 0.00e+00" in out
     assert out.rstrip().endswith("PASS")
 
 
