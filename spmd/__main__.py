@@ -1,10 +1,10 @@
-"""``python -m spmd demo [--ranks N] [--size N] [--steps N]``."""
+"""``python -m spmd demo [--ranks N] [--steps N] [--size N] [--backend threads|gloo] [--seed N] (--help)``."""
 import sys
 
 
 def _main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] != "demo":
-        print("usage: python -m spmd demo [--ranks N] [--size N] [--steps N]")
+        print("usage: python -m spmd demo [--ranks N] [--steps N] [--size N] [--backend threads|gloo] [--seed N] (--help)")
         return 2
     from ._demo import main
     return main(sys.argv[2:])
