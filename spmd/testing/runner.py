@@ -73,8 +73,8 @@ def on_mesh(shape: Sequence[int] | int, axis_names: Sequence[str] | str, *,
     marked ``pytest.mark.gloo``: register that marker in your pytest configuration).
     ``mesh`` is the rank's mesh (``mesh.rank`` its rank); the body's other parameters are
     pytest's as usual (``@pytest.mark.parametrize`` arguments, fixtures) and go to every
-    rank, pickled for gloo; one named ``spmd_backend`` gets the backend. A failure on any rank fails the test, its message starting
-    with ``rank R:``.
+    rank, pickled for gloo; one named ``spmd_backend`` gets the backend. A failure on any
+    rank fails the test, its message starting with ``rank R:``.
 
     For gloo the body must be a module-level function of an importable module (a test
     module is: the processes get pytest's ``sys.path``). ``@hypothesis.given`` goes above
