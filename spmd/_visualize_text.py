@@ -100,14 +100,8 @@ def _parts(b: Block, show: tuple[int, ...]) -> list[str]:
 
 
 def _min_width(parts: list[str], level: int) -> int:
-    ranks, coords, *rest = parts
-    if level == 0:
-        first = [f"{ranks} {coords}" if coords else ranks]
-    elif level == 1:
-        first = [ranks, coords]
-    else:
-        first = [t + "," for t in ranks.split(",")] + ([coords] if level == 2 else [])
-    return max(len(t) for t in first + rest)
+    # width 0 puts every token of a broken rank list on its own line: the narrowest
+    return max(len(t) for t in _lines(parts, level, 0))
 
 
 def _lines(parts: list[str], level: int, width: int) -> list[str]:
