@@ -103,6 +103,15 @@ class Mesh:
                     f"Mesh{shape} has {self.size} ranks but the process group has "
                     f"{dist.get_world_size()}; the mesh must cover every process")
 
+    # A mesh is a handle on ranks and their communicators, like a process group: copying
+    # a model that holds one (copy.deepcopy of a converted model, an EMA copy) must keep
+    # the same mesh, or its layers would run on a mesh no rank is running.
+    def __copy__(self) -> Mesh:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Mesh:
+        return self
+
     # -- geometry -----------------------------------------------------------------
 
     def __repr__(self) -> str:

@@ -9,27 +9,20 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _ops import F64, TOL
 from torch import nn
 
 import spmd
 from spmd import Layout, P
+from spmd.testing import assert_matches_single_device
 
 SPEC = P(None, None, "sp")
 
 
 def _compare_module(sharded, plain, mesh, x, in_spec=SPEC, out_spec=SPEC):
-    xa = x.clone().requires_grad_()
-    xb = x.clone().requires_grad_()
-    y = spmd.shard_map(sharded, mesh, in_spec, out_spec)(xa)
-    ref = plain(xb)
-    torch.testing.assert_close(y, ref, **TOL)
-    w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(0))
-    (y * w).sum().backward()
-    (ref * w).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad, **TOL)
-    for (n, a), (_, b) in zip(sharded.named_parameters(), plain.named_parameters()):
-        torch.testing.assert_close(a.grad, b.grad, **TOL, msg=lambda m, n=n: f"{n}: {m}")
+    # values, the input gradient and every parameter's gradient, by name
+    assert_matches_single_device(sharded, plain, mesh, in_spec, out_spec, x, **TOL)
 
 
 @pytest.mark.parametrize("make", [
@@ -119,3 +112,14 @@ def test_a_layer_constructed_directly():
     assert "mesh=Mesh(dp=2, sp=2" in repr(conv)
     lay = Layout((4, 2, 9, 4), spec, mesh, {2: [2, 7]})
     _compare_module(conv, plain, mesh, torch.randn(4, 2, 9, 4, dtype=F64), lay, spec)
+
+
+def test_a_copied_converted_model_keeps_its_mesh_and_runs():
+    mesh = spmd.Mesh((2,), ("sp",))
+    sharded = spmd.nn.convert(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1)), mesh, SPEC)
+    twin = copy.deepcopy(sharded)  # as an EMA model or a checkpoint copy would be made
+    assert twin[0].mesh is mesh and copy.copy(mesh) is mesh
+    x = torch.randn(1, 1, 5, 4, dtype=F64)
+    twin.double()
+    torch.testing.assert_close(spmd.shard_map(twin, mesh, SPEC, SPEC)(x),
+                               F.conv2d(x, twin[0].weight, twin[0].bias, padding=1), **TOL)

@@ -210,6 +210,53 @@ def test_params_get_compared_gradients():
                                  mesh, P("sp"), P("sp"), x, params=[w, b], dtype=torch.float32)
 
 
+def test_a_converted_model_against_the_original_compares_parameters_by_name():
+    mesh = Mesh((3,), ("sp",))
+    spec = P(None, None, "sp")
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.Tanh(),
+                                torch.nn.Conv2d(3, 1, 3, padding=1))
+    sharded = spmd.nn.convert(plain, mesh, spec)
+    assert_matches_single_device(sharded, plain, mesh, spec, spec, _x(2, 2, 8, 5))
+    # the caller's modules are copied: no gradients, same dtype
+    assert all(p.grad is None and p.dtype == torch.float32
+               for p in [*plain.parameters(), *sharded.parameters()])
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, lose_grad=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.5, -0.5], dtype=F64))
+        self.lose_grad = lose_grad
+
+    def forward(self, x):
+        # the same values; with lose_grad half of w's gradient goes missing
+        w = self.w * 0.5 + self.w.detach() * 0.5 if self.lose_grad else self.w
+        return x * w
+
+
+class _Renamed(torch.nn.Module):
+    """_Scale's computation with its parameter under another name."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([1.5, -0.5], dtype=F64))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_a_wrong_parameter_gradient_is_named():
+    mesh = Mesh((2,), ("sp",))
+    with pytest.raises(AssertionError, match=r"gradient of parameter 'w' differs .* held by "
+                                             r"every rank \(replicated\)"):
+        assert_matches_single_device(_Scale(lose_grad=True), _Scale(), mesh, P("sp"), P("sp"),
+                                     _x(5, 2))
+    with pytest.raises(AssertionError, match=r"the sharded module's parameters \['w'\] are "
+                                             r"not the reference module's \['scale'\]"):
+        assert_matches_single_device(_Scale(), _Renamed(), mesh, P("sp"), P("sp"), _x(5, 2))
+
+
 def test_default_tolerances():
     assert default_tolerance(torch.float64) == (1e-10, 1e-10)
     assert default_tolerance(torch.float32) == (1e-5, 1e-6)

@@ -1,6 +1,7 @@
 """A sharded computation against the same computation on one device, in float64."""
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,6 +68,11 @@ def assert_matches_single_device(f_local: Callable, f_global: Callable, mesh: Me
     ``seed``) and the gradients of every floating argument and parameter are compared,
     including whether there is one.
 
+    Modules: ``f_local`` and ``f_global`` may be ``nn.Module``s (a model converted with
+    ``spmd.nn.convert`` and the original, say). Each is deep-copied (yours are left
+    untouched) and cast, and when both are modules the gradients of their parameters are
+    compared by name (``gradient of parameter 'net.0.weight'``).
+
     Tolerance (``rtol``/``atol`` override it): float64 1e-10/1e-10, since the sharded run
     only reorders additions across ranks; float32 1e-5/1e-6, float16 1e-2/1e-3, bfloat16
     5e-2/1e-2, which cover rounding to that precision (the reference stays float64).
@@ -131,6 +137,12 @@ def assert_matches_single_device(f_local: Callable, f_global: Callable, mesh: Me
     b_args = _copy_tree(args, torch.float64, check_grad)
     a_params = [_copy(p, dtype, check_grad) for p in params]
     b_params = [_copy(p, torch.float64, check_grad) for p in params]
+    # Copies, so the caller's modules get no gradients and keep their dtype.
+    a_mod = copy.deepcopy(f_local).to(dtype) if isinstance(f_local, torch.nn.Module) else None
+    b_mod = (copy.deepcopy(f_global).to(torch.float64)
+             if isinstance(f_global, torch.nn.Module) else None)
+    f_local = f_local if a_mod is None else a_mod
+    f_global = f_global if b_mod is None else b_mod
 
     local_shapes: dict[int, list] = {}
 
@@ -141,7 +153,7 @@ def assert_matches_single_device(f_local: Callable, f_global: Callable, mesh: Me
                               for v in _tree.flatten(out)[0]]
         return out
 
-    if isinstance(f_local, torch.nn.Module) and "params" not in shard_map_kwargs:
+    if a_mod is not None and "params" not in shard_map_kwargs:
         # wrapping f_local hides the module from shard_map's own parameter discovery
         shard_map_kwargs["params"] = [p for p in f_local.parameters() if p.requires_grad] + [
             p for p in a_params if p.requires_grad]
@@ -193,7 +205,20 @@ def assert_matches_single_device(f_local: Callable, f_global: Callable, mesh: Me
         if b.is_floating_point():
             _compare_grad(f"gradient of params[{k}]", a, b, Layout(b.shape, P(), mesh), mesh,
                           tol)
+    if a_mod is not None and b_mod is not None:
+        _compare_modules(a_mod, b_mod, mesh, tol)
     return out
+
+
+def _compare_modules(a: torch.nn.Module, b: torch.nn.Module, mesh: Mesh,
+                     tol: tuple[float, float]) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    if pa.keys() != pb.keys():
+        raise AssertionError(f"{_WHO}: the sharded module's parameters {sorted(pa)} are not "
+                             f"the reference module's {sorted(pb)}")
+    for name, q in pb.items():
+        _compare_grad(f"gradient of parameter {name!r}", pa[name], q,
+                      Layout(q.shape, P(), mesh), mesh, tol)
 
 
 def _copy(x: Any, dtype: torch.dtype, grad: bool) -> Any:
