@@ -802,3 +802,19 @@ def test_repeated_collectives_keep_their_order(n):
 
     for res in _launch(body, (n,), ("i",)):
         assert res == [sum(range(n)) + n * k for k in range(20)]
+
+
+@pytest.mark.parametrize("ranks, share", [(2, 2), (3, 1), (8, 1)])
+def test_rank_threads_share_the_intra_op_threads(ranks, share):
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        seen = spmd.launch(lambda mesh: torch.get_num_threads(), (ranks,), ("sp",))
+        assert seen == [share] * ranks  # as `ranks` processes on 4 cores would get
+        assert torch.get_num_threads() == 4  # the caller's setting is back
+        x = torch.ones(ranks, 3, requires_grad=True)
+        spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), spmd.Mesh((ranks,), ("sp",)),
+                       spmd.P("sp"), spmd.P())(x).backward()  # backward: on the rank threads too
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
