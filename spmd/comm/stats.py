@@ -34,8 +34,10 @@ class CommStats:
       buckets): its contribution's bytes (what crosses the wire beyond that depends on
       the reduction algorithm).
 
-    Only payloads count: the torch backend's int64 metadata exchanges (sizes, when
-    ``sizes=`` is not given; ``SPMD_VALIDATE=1``) do not.
+    Only payloads count: the torch backend's int64 metadata exchanges inside one
+    collective (sizes, when ``sizes=`` is not given; ``SPMD_VALIDATE=1``) do not. A
+    collective of its own that spmd issues to learn the shards' sizes does, under its
+    own name: e.g. ``conv2d sizes``, when an op is given a ``P`` rather than a ``Layout``.
     """
 
     records: list[tuple[str, tuple[str, ...], int, str, int]] = field(default_factory=list)
