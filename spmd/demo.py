@@ -161,11 +161,12 @@ class History:
 
 
 Callback = Callable[[int, float], None]
+Optimizer = Callable[..., torch.optim.Optimizer]
 
 
 def _train(model: nn.Module, step_loss: Callable[[], torch.Tensor], steps: int, lr: float,
-           callback: Callback | None) -> tuple[list[float], list[float]]:
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+           callback: Callback | None, optimizer: Optimizer) -> tuple[list[float], list[float]]:
+    opt = optimizer(model.parameters(), lr=lr)
     losses, times = [], []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -198,13 +199,15 @@ def _history(model: nn.Module, losses: list[float], times: list[float],
 
 
 def train_single(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], steps: int = 30,
-                 lr: float = 2e-3, *, callback: Callback | None = None) -> History:
+                 lr: float = 2e-3, *, callback: Callback | None = None,
+                 optimizer: Optimizer = torch.optim.Adam) -> History:
     """Train a copy of ``model`` on one device with Adam on the MSE loss.
 
     Args:
         model: the plain model (not modified: a deep copy is trained).
         data: ``(inputs, targets)`` on the model's device.
         callback: called as ``callback(step, loss)`` after every step (progress).
+        optimizer: made as ``optimizer(parameters, lr=lr)``; Adam by default.
 
     Example:
         >>> h = train_single(make_model(hidden=4), heat_data(2, 8, 8), steps=3)
@@ -213,13 +216,15 @@ def train_single(model: nn.Module, data: tuple[torch.Tensor, torch.Tensor], step
     """
     model = copy.deepcopy(model)
     x, t = data
-    losses, times = _train(model, lambda: ((model(x) - t) ** 2).mean(), steps, lr, callback)
+    losses, times = _train(model, lambda: ((model(x) - t) ** 2).mean(), steps, lr, callback,
+                           optimizer)
     return _history(model, losses, times)
 
 
 def train_sharded(model: nn.Module, mesh: Mesh, data: tuple[torch.Tensor, torch.Tensor],
                   steps: int = 30, lr: float = 2e-3, *, axis: str = "sp",
-                  callback: Callback | None = None) -> History:
+                  callback: Callback | None = None,
+                  optimizer: Optimizer = torch.optim.Adam) -> History:
     """Train ``spmd.nn.convert(model, mesh, P(None, None, axis))`` with Adam on the
     global MSE loss: every rank sums its shard's squared errors, ``psum`` adds them
     up, divided by the global count. The rows (dim 2) of every sample are split over
@@ -234,6 +239,7 @@ def train_sharded(model: nn.Module, mesh: Mesh, data: tuple[torch.Tensor, torch.
         mesh: a mesh with axis ``axis`` (its other axes, if any, replicate).
         data: global ``(inputs, targets)``.
         callback: called as ``callback(step, loss)`` after every step.
+        optimizer: made as ``optimizer(parameters, lr=lr)``; Adam by default.
 
     Returns:
         A ``History``; ``bytes_per_step`` from ``spmd.comm_stats()`` covers every rank
@@ -255,7 +261,7 @@ def train_sharded(model: nn.Module, mesh: Mesh, data: tuple[torch.Tensor, torch.
 
     loss_fn = shard_map(body, mesh, (spec, spec), P())
     with comm_stats() as stats:
-        losses, times = _train(sharded, lambda: loss_fn(x, t), steps, lr, callback)
+        losses, times = _train(sharded, lambda: loss_fn(x, t), steps, lr, callback, optimizer)
     return _history(sharded, losses, times, stats)
 
 

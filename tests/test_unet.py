@@ -1,6 +1,7 @@
 """A small U-Net (conv, max pool, bilinear upsample, skip connection, circular padding)
-converted with spmd.nn.convert trains for 3 SGD steps on a split field with the losses
-and parameters of the single-device run: on a 4-rank threads mesh and on gloo world 2.
+converted with spmd.nn.convert trains for 3 SGD steps on a split field (spmd.demo's
+training loops) with the losses and parameters of the single-device run: on a 4-rank
+threads mesh and on gloo world 2.
 
 float64, rtol = atol = 1e-10: the sharded run reorders the sums of the loss and of the
 weight gradients (per-rank partial sums, then over ranks); three steps of SGD keep the
@@ -8,14 +9,12 @@ differences at a few ulps.
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 import spmd
-from spmd import P
+from spmd import P, demo
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -48,51 +47,30 @@ def _model(seed=0):
     return TinyUNet().double()
 
 
-def train_single(model, x, t, steps=3, lr=0.1):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = ((model(x) - t) ** 2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in model.parameters()]
+def train_single(model, x, t):
+    return demo.train_single(model, (x, t), steps=3, lr=0.1, optimizer=torch.optim.SGD)
 
 
-def train_sharded(mesh, model, x, t, steps=3, lr=0.1):
-    sharded = spmd.nn.convert(model, mesh, SPEC)
-    n = x.numel()
-
-    def body(x, t):
-        return spmd.psum(((sharded(x) - t) ** 2).sum(), "sp") / n
-
-    step = spmd.shard_map(body, mesh, (SPEC, SPEC), P())
-    opt = torch.optim.SGD(sharded.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = step(x, t)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, [p.detach().clone() for p in sharded.parameters()]
+def train_sharded(mesh, model, x, t):
+    # spmd.demo's loop: spmd.nn.convert, then psum(local sum of squares) / count in shard_map
+    return demo.train_sharded(model, mesh, (x, t), steps=3, lr=0.1, optimizer=torch.optim.SGD)
 
 
 def _check(got, want):
-    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want[0]), **TOL)
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), **TOL)
+    assert got.params.keys() == want.params.keys()
+    for k, p in want.params.items():
+        torch.testing.assert_close(got.params[k], p, **TOL, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("H", [16, 18])  # 18 rows: shards [5, 5, 4, 4], pooled [3, 2, 2, 2]
 def test_unet_trains_like_one_device_on_4_threads(H):
     x, t = _data((2, 1, H, 10))
     model = _model()
-    want = train_single(copy.deepcopy(model), x, t)
+    want = train_single(model, x, t)  # trains a copy
     got = train_sharded(spmd.Mesh((4,), ("sp",)), model, x, t)
     _check(got, want)
-    assert got[0][2] < got[0][0]  # it learns
+    assert got.losses[2] < got.losses[0]  # it learns
 
 
 def _unet_rank(mesh, H):
