@@ -24,9 +24,8 @@ import time
 import torch
 
 from . import demo
-from .layout import Layout
+from .layout import balanced_sizes
 from .mesh import Mesh
-from .spec import P
 
 TOL = 1e-5
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -81,7 +80,7 @@ def _setup(a: argparse.Namespace, device=None):
 
 
 def _header(a: argparse.Namespace, mesh_desc: str, ranks: int, model) -> None:
-    rows = list(Layout((a.size,), P("sp"), Mesh((ranks,), ("sp",), backend="threads")).sizes[0])
+    rows = list(balanced_sizes(a.size, ranks))  # how train_sharded's spec splits the rows
     nparam = sum(p.numel() for p in model.parameters())
     print("spmd demo: a CNN learns one time step of 2-D heat diffusion, du/dt = kappa * lap(u)")
     print(f"  data   {a.batch} fields of {a.size} x {a.width} ({a.dtype}); inputs (u, kappa), "
