@@ -40,6 +40,8 @@ import platform
 import sys
 import time
 
+from spmd.comm import comm_of
+
 # Runnable from a checkout without installing.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -80,7 +82,7 @@ def _make_calls(mesh, nbytes: int):
     world = mesh.size
     rank = dist.get_rank()
     group = mesh.group(AXIS, rank)
-    pg = mesh.comm.process_group(group)  # the process group spmd uses for this axis
+    pg = comm_of(mesh).process_group(group)  # the process group spmd uses for this axis
     peer = group.ranks[1 - group.index]
     perm = [(0, 1), (1, 0)]
     sizes = [n] * world

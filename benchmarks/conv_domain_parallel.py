@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import spmd
 from spmd import Layout, P
+from spmd.comm import comm_of
 
 
 def _median_ms(step, steps: int) -> float:
@@ -78,11 +79,11 @@ def per_rank(mesh, shape, c_out, k, steps):
         with mesh:
             y = spmd.ops.conv2d(x, w, padding=k // 2, mesh=mesh, spec=lay)
             gx, gw = torch.autograd.grad(y, (x, w), gy)
-            mesh.comm.all_reduce(gw, "sum", group, name="weight grad")
+            comm_of(mesh).all_reduce(gw, "sum", group, name="weight grad")
 
     h = k // 2
     rank, world = mesh.rank, mesh.size
-    pg = mesh.comm.process_group(group)
+    pg = comm_of(mesh).process_group(group)
 
     def exchange(top, bottom):
         """Send ``top`` up and ``bottom`` down; return what came from above and below."""

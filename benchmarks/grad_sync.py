@@ -46,6 +46,8 @@ import statistics
 import sys
 import time
 
+from spmd.comm import comm_of
+
 # Runnable from a checkout without installing.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -149,7 +151,7 @@ def per_rank(mesh, name: str, steps: int, warmup: int, caps: tuple[float, float]
     waits = waits[warmup:]
     # The same buckets all-reduced with nothing else running.
     alone = []
-    comm, group = mesh.comm, sync.group
+    comm, group = comm_of(mesh), sync.group
     for _ in range(max(steps // 2, 10)):
         dist.all_reduce(flag)
         t = clock()

@@ -28,6 +28,7 @@ import torch
 
 from ._context import RankContext, anchor, current
 from ._format import describe
+from .comm import comm_of
 from .custom_vjp import custom_vjp
 from .errors import CommError, SpecError
 from .layout import balanced_sizes
@@ -82,7 +83,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 def _psum(x, axes, rc, name):
     """psum's core; ``name`` is what communication accounting records (transforms built
     on it, such as ``reduce``, record their own)."""
-    return rc.mesh.comm.all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name=name)
+    return comm_of(rc.mesh).all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name=name)
 
 
 def _psum_bwd(res, g):
@@ -129,7 +130,7 @@ def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 @custom_vjp
 def _pext(x, op, axes, rc):
-    return rc.mesh.comm.all_reduce(x, op, rc.mesh.group(axes, rc.rank), name="p" + op)
+    return comm_of(rc.mesh).all_reduce(x, op, rc.mesh.group(axes, rc.rank), name="p" + op)
 
 
 def _pext_fwd(x, op, axes, rc):
@@ -186,7 +187,7 @@ def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
     group = rc.mesh.group(axes, rc.rank)
     if not tiled:
         sizes = (1,) * group.size  # known: no metadata exchange needed
-    parts = rc.mesh.comm.all_gather(x if tiled else x.unsqueeze(axis), group, axis,
+    parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
                                     name="all_gather", sizes=sizes)
     got = tuple(p.shape[axis] for p in parts)
     return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
@@ -244,7 +245,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
 @custom_vjp
 def _psum_scatter(x, axes, rc, d, sizes):
     chunks = list(x.split(sizes, d)) if sizes is not None else list(x.unbind(d))
-    return rc.mesh.comm.reduce_scatter(chunks, "sum", rc.mesh.group(axes, rc.rank),
+    return comm_of(rc.mesh).reduce_scatter(chunks, "sum", rc.mesh.group(axes, rc.rank),
                                        name="psum_scatter")
 
 
@@ -295,7 +296,7 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
 
 @custom_vjp
 def _ppermute(x, axes, rc, pairs):
-    y = rc.mesh.comm.permute(x, rc.mesh.group(axes, rc.rank), pairs, name="ppermute")
+    y = comm_of(rc.mesh).permute(x, rc.mesh.group(axes, rc.rank), pairs, name="ppermute")
     return torch.zeros_like(x) if y is None else y
 
 
@@ -366,7 +367,7 @@ def _all_to_all(x, axes, rc, sa, ca, sizes):
 
 
 def _all_to_all_fwd(x, axes, rc, sa, ca, sizes):
-    parts = rc.mesh.comm.all_to_all(list(x.split(sizes, sa)), rc.mesh.group(axes, rc.rank),
+    parts = comm_of(rc.mesh).all_to_all(list(x.split(sizes, sa)), rc.mesh.group(axes, rc.rank),
                                     name="all_to_all")
     got = tuple(p.shape[ca] for p in parts)
     _check_concat(parts, ca, rc, axes)
@@ -414,7 +415,7 @@ def broadcast(x: torch.Tensor, axis_name: AxisName, src: int = 0) -> torch.Tenso
 
 @custom_vjp
 def _broadcast(x, axes, rc, src):
-    return rc.mesh.comm.broadcast(x, src, rc.mesh.group(axes, rc.rank), name="broadcast")
+    return comm_of(rc.mesh).broadcast(x, src, rc.mesh.group(axes, rc.rank), name="broadcast")
 
 
 def _broadcast_bwd(res, g):

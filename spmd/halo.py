@@ -18,6 +18,7 @@ import torch
 
 from ._context import RankContext, anchor, on_mesh
 from ._format import describe
+from .comm import comm_of
 from .custom_vjp import custom_vjp
 from .errors import SpecError
 from .mesh import Mesh
@@ -253,7 +254,7 @@ def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[in
                 f"{group.index} of {_axes_str(group.axes)}")
         return sizes
     mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-    got = rc.mesh.comm.all_gather(mine, group, 0, name="halo_pad sizes", sizes=(1,) * group.size)
+    got = comm_of(rc.mesh).all_gather(mine, group, 0, name="halo_pad sizes", sizes=(1,) * group.size)
     return tuple(int(t.item()) for t in got)
 
 
@@ -268,7 +269,7 @@ def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str,
     like = chunks[0].shape
     shapes = [tuple(k if d == dim else v for d, v in enumerate(like)) for k in counts]
     group = rc.mesh.group(axes, rc.rank)
-    return rc.mesh.comm.all_to_all(chunks, group, name=name, shapes=shapes)
+    return comm_of(rc.mesh).all_to_all(chunks, group, name=name, shapes=shapes)
 
 
 def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:

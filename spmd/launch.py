@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ._context import RankContext
+from .comm import comm_of
 from .errors import CommAborted, CommTimeout, SpecError
 from .mesh import Mesh
 
@@ -74,11 +75,11 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
         w.start_task(batch, rank)
     batch.run(0)
     if batch.pending and not batch.done.acquire(timeout=timeout + 5.0):
-        mesh.comm.abort(CommTimeout("per-rank program timed out"))
+        comm_of(mesh).abort(CommTimeout("per-rank program timed out"))
         raise CommTimeout(f"per-rank program on {mesh!r} did not finish in {timeout:g} s "
                           f"({batch.pending} ranks still running)", op="launch")
     if batch.errors:
-        mesh.comm.reset()
+        comm_of(mesh).reset()
         # A rank cancelled because another failed is a symptom; report the cause.
         errs = sorted(batch.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
         _, rank, exc = errs[0]
@@ -123,7 +124,7 @@ class _Batch:
                 self.results[rank] = self.fn(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             self.errors.append((time.monotonic(), rank, e))
-            self.mesh.comm.abort(e)
+            comm_of(self.mesh).abort(e)
         finally:
             if self.share < self.threads:
                 torch.set_num_threads(self.threads)

@@ -4,15 +4,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import SpecError
-
-if TYPE_CHECKING:
-    from .comm.base import Comm
 
 __all__ = ["Mesh", "Group"]
 
@@ -91,6 +86,9 @@ class Mesh:
         self.timeout: float = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         self._device = None if device is None else torch.device(device)
         self._groups: dict[tuple, Group] = {}
+        # The backend's communicator: spmd.comm.comm_of builds it on first use and keeps
+        # it here, so the data layer never imports a backend.
+        self._comm: object | None = None
         if backend == "torch":
             if not _dist_initialized():
                 raise SpecError(
@@ -205,15 +203,6 @@ class Mesh:
             else:
                 self._device = torch.get_default_device()
         return self._device
-
-    @cached_property
-    def comm(self) -> Comm:
-        """This mesh's communication backend (created on first use)."""
-        if self.backend == "threads":
-            from .comm.threads import ThreadComm
-            return ThreadComm(self)
-        from .comm.distributed import TorchComm
-        return TorchComm(self)
 
     def __enter__(self) -> Mesh:
         """``with mesh:`` makes collectives in per-rank code (torch processes) use it."""

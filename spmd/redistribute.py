@@ -17,6 +17,7 @@ import torch
 
 from ._context import RankContext, anchor, on_mesh
 from ._format import describe
+from .comm import comm_of
 from .custom_vjp import custom_vjp
 from .errors import SpecError
 from .layout import Layout
@@ -91,7 +92,7 @@ def _src_layout(x: torch.Tensor, mesh: Mesh, rc: RankContext, spec, sizes) -> La
     # Every rank's shape (int64), to learn the uneven sizes of the split dims.
     group = mesh.group(mesh.axis_names, rc.rank)
     mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-    got = mesh.comm.all_gather(mine, group, 0, name="redistribute sizes", sizes=(1,) * group.size)
+    got = comm_of(mesh).all_gather(mine, group, 0, name="redistribute sizes", sizes=(1,) * group.size)
     return Layout.from_local_shapes({r: t[0].tolist() for r, t in zip(group.ranks, got)},
                                     spec, mesh)
 
@@ -151,7 +152,7 @@ def _exchange(chunks, rc: RankContext, shapes):
     """One all-to-all over the whole mesh; ``shapes``: what arrives from each rank (the
     plan knows, so no shape exchange is needed; (0,) where nothing comes)."""
     mesh = rc.mesh
-    return mesh.comm.all_to_all(chunks, mesh.group(mesh.axis_names, rc.rank),
+    return comm_of(mesh).all_to_all(chunks, mesh.group(mesh.axis_names, rc.rank),
                                 name="redistribute", shapes=shapes)
 
 

@@ -17,6 +17,7 @@ import torch
 from ._context import RankContext, anchor, on_mesh
 from ._format import describe, shape_str
 from .collectives import _psum
+from .comm import comm_of
 from .custom_vjp import custom_vjp
 from .errors import SpecError
 from .layout import Layout
@@ -235,7 +236,7 @@ def _mean_counted(loc, axes, rc, n_local):
 def _mean_counted_fwd(loc, axes, rc, n_local):
     """The local sums and the local count in one psum (output size + 1 elements)."""
     buf = torch.cat([loc.reshape(-1), loc.new_full((1,), n_local)])
-    got = rc.mesh.comm.all_reduce(buf, "sum", rc.mesh.group(axes, rc.rank), name="reduce")
+    got = comm_of(rc.mesh).all_reduce(buf, "sum", rc.mesh.group(axes, rc.rank), name="reduce")
     count = got[-1]
     return got[:-1].reshape(loc.shape) / count, (axes, rc, count)
 
@@ -266,11 +267,11 @@ def _ext(x, op, dims, axes, rc, carry):
     loc = _local(x, op, dims, True) if have else x.new_full(shape, _identity(x, op))
     group = rc.mesh.group(axes, rc.rank)
     if not carry:
-        return rc.mesh.comm.all_reduce(loc, op, group, name="reduce")
+        return comm_of(rc.mesh).all_reduce(loc, op, group, name="reduce")
     # max: 1 where a rank holds data; min: 0 where it does. The reduced flag says
     # whether any rank of the group held an element.
     flag = loc.new_full((1,), int(have) if op == "max" else int(not have))
-    got = rc.mesh.comm.all_reduce(torch.cat([loc.reshape(-1), flag]), op, group, name="reduce")
+    got = comm_of(rc.mesh).all_reduce(torch.cat([loc.reshape(-1), flag]), op, group, name="reduce")
     if bool(got[-1] != (1 if op == "max" else 0)):
         raise SpecError(
             f"reduce: op={op!r} over dims {list(dims)} of an empty global tensor (no rank of "

@@ -27,6 +27,7 @@ import torch
 
 from ._context import anchor, on_mesh
 from ._format import describe, shape_str
+from .comm import comm_of
 from .custom_vjp import custom_vjp
 from .errors import SpecError
 from .layout import Layout
@@ -126,7 +127,7 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
             meta[3] = x.ndim
             meta[_HDR:_HDR + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
     if group.size > 1:
-        meta = rc.mesh.comm.broadcast(meta.to(device), si, group, name="scatter meta").cpu()
+        meta = comm_of(rc.mesh).broadcast(meta.to(device), si, group, name="scatter meta").cpu()
     status, code, rg, nd = (int(v) for v in meta[:_HDR].tolist())
     if status == _MISSING:
         raise SpecError(f"scatter: x is missing on src rank {src} (got "
@@ -161,7 +162,7 @@ def _scatter(x, rc, group, lay, si):
         chunks = [lay.shard(x, r) for r in group.ranks]
     else:
         chunks = [x.new_empty(0)] * group.size
-    return rc.mesh.comm.all_to_all(chunks, group, name="scatter")[si]
+    return comm_of(rc.mesh).all_to_all(chunks, group, name="scatter")[si]
 
 
 def _scatter_fwd(x, rc, group, lay, si):
@@ -174,7 +175,7 @@ def _scatter_bwd(res, g):
     empty = g.new_empty(0)
     chunks = [g.contiguous() if i == si else empty for i in range(group.size)]
     with rc:
-        got = rc.mesh.comm.all_to_all(chunks, group, name="scatter")
+        got = comm_of(rc.mesh).all_to_all(chunks, group, name="scatter")
     if group.index != si:
         return (g.new_zeros(x_shape), None, None, None, None)
     gx = g.new_zeros(lay.shape)
@@ -257,7 +258,7 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
     meta[2] = x.ndim
     meta[3:3 + x.ndim] = torch.tensor(x.shape, dtype=torch.int64)
     if group.size > 1:
-        rows = rc.mesh.comm.all_gather(meta.to(x.device), group, 0, name="gather meta",
+        rows = comm_of(rc.mesh).all_gather(meta.to(x.device), group, 0, name="gather meta",
                                        sizes=(meta.numel(),) * group.size)
         rows = {r: t.cpu().tolist() for r, t in zip(group.ranks, rows)}
     else:
@@ -307,7 +308,7 @@ def _gather(x, rc, group, lay, plan):
     me = rc.rank
     empty = x.new_empty(0)
     chunks = [x if (r != me and r in plan and me in plan[r]) else empty for r in group.ranks]
-    got = rc.mesh.comm.all_to_all(chunks, group, name="gather")
+    got = comm_of(rc.mesh).all_to_all(chunks, group, name="gather")
     if me not in plan:
         return empty
     out = x.new_empty(lay.shape)
@@ -328,7 +329,7 @@ def _gather_bwd(res, g):
     chunks = [g[lay.slices(s)].contiguous() if (me in plan and s != me and s in plan[me])
               else empty for s in group.ranks]
     with rc:
-        got = rc.mesh.comm.all_to_all(chunks, group, name="gather")
+        got = comm_of(rc.mesh).all_to_all(chunks, group, name="gather")
     gx = g.new_zeros(x_shape)
     if me in plan:
         gx += g[lay.slices(me)]

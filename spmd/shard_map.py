@@ -26,6 +26,7 @@ import torch
 from . import _tree
 from ._context import RankContext, collect_anchors, in_rank_of
 from ._format import describe, shape_str
+from .comm import comm_of
 from .comm.stats import in_backward
 from .errors import SpecError
 from .launch import run_on_threads
@@ -295,7 +296,7 @@ class _State:
             # add up by themselves) or each their own (then they must be summed).
             group = self.mesh.group(self.mesh.axis_names, self.ranks[0])
             ids = [id(self.global_leaves[i]) for i in self.diff] + [id(p) for p in self.params]
-            every = self.mesh.comm.exchange(group, "shard_map", ids, name="shard_map")
+            every = comm_of(self.mesh).exchange(group, "shard_map", ids, name="shard_map")
             if any(len(e) != len(ids) for e in every):
                 raise SpecError("shard_map: ranks found different numbers of parameters in "
                                 "their graphs; pass params=... explicitly")
@@ -374,7 +375,7 @@ class _State:
                 buckets.setdefault((out[j].dtype, out[j].device), []).append(j)
         for idx in buckets.values():
             flat = torch.cat([out[j].reshape(-1) for j in idx])
-            flat = mesh.comm.all_reduce(flat, "sum", group, name="shard_map backward")
+            flat = comm_of(mesh).all_reduce(flat, "sum", group, name="shard_map backward")
             for j, part in zip(idx, flat.split([out[j].numel() for j in idx])):
                 out[j] = part.view_as(out[j])
         return out
@@ -386,7 +387,7 @@ class _State:
         n_in, n_par = len(self.diff), len(self.params)
         mine = torch.tensor([[n_in, n_par, sum(t.numel() for t in inputs)]], dtype=torch.int64,
                             device=inputs[0].device if inputs else None)
-        rows = [t[0].tolist() for t in self.mesh.comm.all_gather(
+        rows = [t[0].tolist() for t in comm_of(self.mesh).all_gather(
             mine, group, 0, name="shard_map backward check", sizes=(1,) * group.size)]
         if any(r != rows[0] for r in rows):
             desc = ", ".join(f"rank {group.ranks[i]}: {r[0]} inputs + {r[1]} parameters "
@@ -498,7 +499,7 @@ def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
 def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
                    check_rep: bool) -> tuple[torch.Tensor, Layout]:
     """Per-rank view: all-gather this rank's shard into the global output."""
-    comm = mesh.comm
+    comm = comm_of(mesh)
     probe = Layout((0,) * v.ndim, spec, mesh) if len(spec) <= v.ndim else None
     if probe is None:
         raise SpecError(f"out_specs for {where} is {spec!r} but the output is "

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from spmd.comm import comm_of
 from spmd.errors import CommError, CommTimeout
 from spmd.launch import launch
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gloo
 
 def _suite(mesh, axes):
     """Every protocol op over ``axes``, with uneven sizes, zero-size parts and odd dtypes."""
-    g, c, r = mesh.group(axes), mesh.comm, mesh.rank
+    g, c, r = mesh.group(axes), comm_of(mesh), mesh.rank
     i, n = g.index, g.size
     out = {"group": (g.ranks, g.index)}
     x = torch.tensor([[r, -r, 3], [2 * r, 5, -1]], dtype=torch.float32)
@@ -67,7 +68,7 @@ def _suite(mesh, axes):
 
 def _validated_suite(mesh, axes):
     """The suite with cross-rank validation on (SPMD_VALIDATE=1) where the backend has it."""
-    c = mesh.comm
+    c = comm_of(mesh)
     old = getattr(c, "validate", None)
     if old is not None:
         c.validate = True
@@ -79,7 +80,7 @@ def _validated_suite(mesh, axes):
 
 
 def _mismatch(mesh):
-    c = mesh.comm
+    c = comm_of(mesh)
     c.validate = True
     try:
         return c.all_reduce(torch.zeros(2 + mesh.rank), "sum", mesh.group("sp"), name="psum")
@@ -90,19 +91,19 @@ def _mismatch(mesh):
 def _gather_mismatch(mesh):
     # No validation: the size exchange of all_gather catches a shape mismatch off dim.
     x = torch.zeros(3, 1 + mesh.rank)
-    return mesh.comm.all_gather(x, mesh.group("sp"), 0, name="all_gather")
+    return comm_of(mesh).all_gather(x, mesh.group("sp"), 0, name="all_gather")
 
 
 def _never_arrives(mesh):
     if mesh.rank == 1:
         time.sleep(60)
-    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+    return comm_of(mesh).all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
 
 
 def _raises_on_1(mesh):
     if mesh.rank == 1:
         raise ValueError("boom")
-    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+    return comm_of(mesh).all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
 
 
 class _Unpicklable(Exception):
@@ -119,7 +120,7 @@ def _raises_unpicklable(mesh):
 def _dies_on_1(mesh):
     if mesh.rank == 1:
         os._exit(3)
-    return mesh.comm.all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+    return comm_of(mesh).all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
 
 
 def _sleeps(mesh):
@@ -127,7 +128,7 @@ def _sleeps(mesh):
 
 
 def _rank_sum(mesh):
-    return mesh.comm.all_reduce(torch.tensor([float(mesh.rank)]), "sum", mesh.group("sp"),
+    return comm_of(mesh).all_reduce(torch.tensor([float(mesh.rank)]), "sum", mesh.group("sp"),
                                 name="psum").item()
 
 

@@ -33,6 +33,7 @@ from torch import nn
 
 import spmd
 from spmd import P
+from spmd.comm import comm_of
 from spmd.launch import run_on_threads
 
 TOL = dict(rtol=1e-9, atol=1e-9)
@@ -50,7 +51,7 @@ def _async_ranks(mesh):
     if r == 1:
         time.sleep(0.3)
     t0 = time.monotonic()
-    works = [mesh.comm.all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
+    works = [comm_of(mesh).all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
     started = time.monotonic() - t0
     outs = [w.wait() for w in reversed(works)][::-1]  # any wait order
     return started, [o is x for o, x in zip(outs, xs)], [x.clone() for x in xs]
@@ -71,7 +72,7 @@ def test_all_reduce_async_threads_does_not_block_and_is_bit_identical():
 def _async_missing(mesh):
     w = None
     if mesh.rank == 0:
-        w = mesh.comm.all_reduce_async(torch.ones(2), "sum", mesh.group("sp"), name="grad_sync")
+        w = comm_of(mesh).all_reduce_async(torch.ones(2), "sum", mesh.group("sp"), name="grad_sync")
         return w.wait()
     time.sleep(1.5)
     return None
@@ -88,7 +89,7 @@ def _async_errors(mesh):
     out = []
     for x, op in ((torch.ones(4).view(2, 2).t(), "sum"), (torch.ones(2), "mean")):
         try:
-            mesh.comm.all_reduce_async(x, op, g, name="grad_sync")
+            comm_of(mesh).all_reduce_async(x, op, g, name="grad_sync")
         except spmd.SpecError as e:
             out.append(str(e))
     return out

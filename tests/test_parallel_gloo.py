@@ -23,6 +23,7 @@ from _parallel_cases import (
 )
 
 import spmd
+from spmd.comm import comm_of
 
 pytestmark = pytest.mark.gloo
 
@@ -40,7 +41,7 @@ def _async(mesh, axes):
     on another group in between."""
     g, r = mesh.group(axes), mesh.rank
     xs = [(torch.arange(5) * (r + 1) + k).to(dt) for k, dt in enumerate(DTYPES)]
-    works = [mesh.comm.all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
+    works = [comm_of(mesh).all_reduce_async(x, "sum", g, name="grad_sync") for x in xs]
     other = spmd.psum(torch.tensor([float(r)]), mesh.axis_names[0])
     outs = [w.wait() for w in reversed(works)][::-1]
     return [o is x for o, x in zip(outs, xs)], xs, other
@@ -63,15 +64,15 @@ def test_all_reduce_async_world2(gloo2):
 def _async_validated(mesh, mismatch):
     """SPMD_VALIDATE's check runs before the transfer starts: a size mismatch is a
     CommError on every rank (gloo would abort the process otherwise)."""
-    mesh.comm.validate = True
+    comm_of(mesh).validate = True
     try:
         n = 3 + (mesh.rank if mismatch else 0)
-        w = mesh.comm.all_reduce_async(torch.ones(n), "sum", mesh.group("dp"), name="grad_sync")
+        w = comm_of(mesh).all_reduce_async(torch.ones(n), "sum", mesh.group("dp"), name="grad_sync")
         return w.wait()
     except spmd.CommError as e:
         return str(e)
     finally:
-        mesh.comm.validate = False
+        comm_of(mesh).validate = False
 
 
 def test_all_reduce_async_validated_world2(gloo2):
@@ -89,7 +90,7 @@ def test_all_reduce_async_2x2(gloo4):
 def _async_rank_1_never_waits(mesh):
     if mesh.rank == 1:
         time.sleep(60)  # ended by the pool
-    w = mesh.comm.all_reduce_async(torch.ones(3), "sum", mesh.group("dp"), name="grad_sync")
+    w = comm_of(mesh).all_reduce_async(torch.ones(3), "sum", mesh.group("dp"), name="grad_sync")
     return w.wait()
 
 

@@ -1,7 +1,46 @@
 """The comm layer: one small protocol (``base.Comm``) and its two backends.
 
-The only code in spmd that touches torch.distributed or thread rendezvous.
+The only code in spmd that touches torch.distributed or thread rendezvous. The data
+layer knows nothing of it: a ``Mesh`` names its backend, and ``comm_of(mesh)`` builds
+that backend's communicator on first use and keeps it with the mesh.
 """
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
 from .base import REDUCE_OPS, Comm
 
-__all__ = ["Comm", "REDUCE_OPS"]
+if TYPE_CHECKING:
+    from ..mesh import Mesh
+
+__all__ = ["Comm", "REDUCE_OPS", "comm_of"]
+
+_lock = threading.Lock()
+
+
+def comm_of(mesh: Mesh) -> Comm:
+    """The communicator of ``mesh``'s backend, created once per mesh (thread-safe).
+
+    Example:
+        >>> from spmd.comm import comm_of
+        >>> mesh = Mesh((2,), ("sp",), backend="threads")
+        >>> comm_of(mesh) is comm_of(mesh), type(comm_of(mesh)).__name__
+        (True, 'ThreadComm')
+    """
+    c = mesh._comm
+    if c is None:
+        # Rank threads reach for it at once on first use: build exactly one.
+        with _lock:
+            c = mesh._comm
+            if c is None:
+                c = mesh._comm = _make(mesh)
+    return c
+
+
+def _make(mesh: Mesh) -> Comm:
+    if mesh.backend == "threads":
+        from .threads import ThreadComm
+        return ThreadComm(mesh)
+    from .distributed import TorchComm
+    return TorchComm(mesh)

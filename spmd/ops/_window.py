@@ -17,6 +17,7 @@ import torch
 
 from .._context import RankContext, on_mesh
 from .._format import describe
+from ..comm import comm_of
 from ..errors import SpecError
 from ..halo import check_mode, fetch_range
 from ..layout import Layout, balanced_sizes
@@ -48,7 +49,7 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
         return rc, Layout(x.shape, spec, mesh)
     group = mesh.group(axes, rc.rank)
     mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-    got = mesh.comm.all_gather(mine, group, 0, name=f"{what} sizes", sizes=(1,) * group.size)
+    got = comm_of(mesh).all_gather(mine, group, 0, name=f"{what} sizes", sizes=(1,) * group.size)
     shapes = tuple((r, tuple(int(v) for v in t[0].tolist())) for r, t in zip(group.ranks, got))
     return rc, _from_shapes(shapes, spec, _MeshOf(mesh), what)
 

@@ -20,6 +20,7 @@ import torch
 
 from .._context import in_rank_of
 from .._format import describe
+from ..comm import comm_of
 from ..comm.stats import in_backward
 from ..errors import SpecError
 from ..mesh import Mesh
@@ -210,7 +211,7 @@ class GradSync:
         rest = [i for b in self._buckets for i in b.index if i not in self._seen]
         mine = torch.tensor(seen + rest, dtype=torch.int64, device=self.mesh.device)
         if self.group.size > 1:
-            mine = self.mesh.comm.broadcast(mine, 0, self.group, name=f"{self.name} plan")
+            mine = comm_of(self.mesh).broadcast(mine, 0, self.group, name=f"{self.name} plan")
         order = mine.tolist()
         if sorted(order) != list(range(len(self._params))):
             raise SpecError(f"{self._what}: rank {self.group.ranks[0]} sent a bucket order "
@@ -297,7 +298,7 @@ class GradSync:
             else:
                 b.flags.copy_(torch.tensor(used, dtype=b.flags.dtype))
         with in_backward():
-            b.work = self.mesh.comm.all_reduce_async(b.buffer, "sum", self.group,
+            b.work = comm_of(self.mesh).all_reduce_async(b.buffer, "sum", self.group,
                                                      name=self.name)
         self._next += 1
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .._format import shape_str
+from ..comm import comm_of
 from ..errors import SpecError
 from ..mesh import Group, Mesh
 
@@ -37,7 +38,7 @@ def _row(name: str, t: torch.Tensor) -> list[int]:
 
 
 def _gather(mesh: Mesh, group: Group, vec: torch.Tensor, what: str) -> list[torch.Tensor]:
-    return mesh.comm.all_gather(vec, group, 0, name=what, sizes=(vec.shape[0],) * group.size)
+    return comm_of(mesh).all_gather(vec, group, 0, name=what, sizes=(vec.shape[0],) * group.size)
 
 
 def _axes(group: Group) -> str:
@@ -96,7 +97,7 @@ def broadcast_from_first(mesh: Mesh, group: Group, tensors: Sequence[torch.Tenso
     with torch.no_grad():
         for ts in by_key.values():
             flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            flat = mesh.comm.broadcast(flat, 0, group, name=what)
+            flat = comm_of(mesh).broadcast(flat, 0, group, name=what)
             for t, part in zip(ts, flat.split([t.numel() for t in ts])):
                 t.copy_(part.view(t.shape))
 
