@@ -68,8 +68,16 @@ class Placeholder:
         """Take part in the backward of the ``spmd.gather`` that made this Placeholder:
         this rank receives its shard's cotangent from the rank holding the data. A no-op
         when no gradient is needed."""
-        from .scatter_gather import backward
-        backward(self)
+        root = self._backward_root()
+        if root is not None:
+            torch.autograd.backward([root[0]], [root[1]])
+
+    def _backward_root(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The gather's autograd handle and its (zero) cotangent: backpropagating it runs
+        the gather's backward, in which this rank receives its shard's cotangent."""
+        if self._node is None:
+            return None
+        return self._node, torch.zeros_like(self._node)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)

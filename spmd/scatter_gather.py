@@ -376,9 +376,10 @@ def backward(outputs: Any, grads: Any = None) -> None:
     roots, cots = [], []
     for o, g in zip(outs, gs):
         if isinstance(o, Placeholder):
-            if o._node is not None:
-                roots.append(o._node)
-                cots.append(torch.zeros_like(o._node))
+            root = o._backward_root()
+            if root is not None:
+                roots.append(root[0])
+                cots.append(root[1])
         elif isinstance(o, torch.Tensor):
             if o.requires_grad:
                 roots.append(o)
