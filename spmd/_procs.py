@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
-from .errors import CommAborted, CommTimeout, SpecError
+from .errors import CommAborted, CommTimeout, SpecError, tag_rank
 
 __all__ = ["ProcessPool", "launch_processes"]
 
@@ -276,7 +276,6 @@ class ProcessPool:
 
 
 def _raise_first(errors: list[tuple[int, tuple]]):
-    from .launch import tag_rank
     excs = [_load(msg[2]) for _, msg in errors]
     # A rank whose collective broke because a peer failed or died (CommAborted) shows a
     # symptom that may arrive before the cause: report the first cause, as threads do.

@@ -4,7 +4,7 @@ Every error names what was expected, what was given, and how to fix it.
 """
 from __future__ import annotations
 
-__all__ = ["SpecError", "CommTimeout", "CommError", "CommAborted"]
+__all__ = ["SpecError", "CommTimeout", "CommError", "CommAborted", "tag_rank"]
 
 
 class SpecError(ValueError):
@@ -34,3 +34,14 @@ class CommTimeout(CommError, TimeoutError):
 
 class CommAborted(CommError):
     """Another rank failed, so this rank's pending collective was cancelled."""
+
+
+def tag_rank(exc: BaseException, rank: int) -> BaseException:
+    """Put ``rank R: `` in front of an exception's message (type and attributes kept)."""
+    prefix = f"rank {rank}: "
+    if exc.args and isinstance(exc.args[0], str):
+        if not exc.args[0].startswith(prefix):
+            exc.args = (prefix + exc.args[0],) + exc.args[1:]
+    elif hasattr(exc, "add_note"):
+        exc.add_note(f"raised on rank {rank}")
+    return exc

@@ -27,9 +27,9 @@ from . import _tree
 from ._context import RankContext, collect_anchors, in_rank_of
 from ._format import describe, shape_str
 from .comm import comm_of
+from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
 from .errors import SpecError
-from .launch import run_on_threads
 from .layout import Layout
 from .mesh import Mesh
 from .spec import P

@@ -34,7 +34,7 @@ from torch import nn
 import spmd
 from spmd import P
 from spmd.comm import comm_of
-from spmd.launch import run_on_threads
+from spmd.comm.rank_threads import run_on_threads
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 

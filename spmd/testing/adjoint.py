@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._context import current, in_rank_of
-from ..launch import run_on_threads
+from ..comm.rank_threads import run_on_threads
 from ..mesh import Mesh
 from ..placeholder import Placeholder
 from ..scatter_gather import backward
