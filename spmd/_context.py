@@ -3,6 +3,7 @@
 A thread-local stack: shard_map and spmd.launch push (mesh, rank) on each rank thread;
 ``with mesh:`` pushes a torch mesh in a process. Backward rules capture the context at
 forward time, because autograd may run backward on another thread (e.g. CUDA's).
+Bookkeeping only: nothing here communicates.
 """
 from __future__ import annotations
 
@@ -99,38 +100,3 @@ def in_rank_of(mesh: Mesh) -> bool:
     if mesh.backend == "torch":
         return True
     return any(m is mesh and r is not None for m, r in _stack())
-
-
-class collect_anchors:
-    """Collect the anchors that collectives create on this thread (see ``anchor``)."""
-
-    def __enter__(self) -> list:
-        stack = getattr(_local, "anchors", None)
-        if stack is None:
-            stack = _local.anchors = []
-        stack.append([])
-        return stack[-1]
-
-    def __exit__(self, *exc) -> None:
-        _local.anchors.pop()
-
-
-def anchor(x):
-    """Make ``x`` require grad (as a detached copy) when grad mode is on and it doesn't.
-
-    A collective's backward is itself a collective, so every rank must run it. A rank
-    whose input needs no gradient (an empty shard, a constant) would create no
-    autograd node and leave the others waiting; anchoring makes the node exist on
-    every rank. shard_map asks autograd for the anchors' gradients too, so no rank's
-    engine prunes the collective's backward.
-    """
-    if x.requires_grad or not torch.is_grad_enabled() or not (x.is_floating_point() or x.is_complex()):
-        return x
-    try:
-        a = x.detach().requires_grad_()
-    except RuntimeError:  # inside a torch.func transform, which refuses requires_grad_
-        return x
-    stack = getattr(_local, "anchors", None)
-    if stack:
-        stack[-1].append(a)
-    return a

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import optree
 import torch
 
-from ._context import RankContext, anchor, current
+from ._anchor import anchor
+from ._context import RankContext, current
 from ._format import describe
 from .comm import comm_of
 from .custom_vjp import custom_vjp

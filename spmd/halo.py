@@ -16,7 +16,8 @@ from functools import lru_cache
 
 import torch
 
-from ._context import RankContext, anchor, on_mesh
+from ._anchor import anchor
+from ._context import RankContext, on_mesh
 from ._format import describe
 from .comm import comm_of
 from .custom_vjp import custom_vjp

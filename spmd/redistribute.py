@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ._context import RankContext, anchor, on_mesh
+from ._anchor import anchor
+from ._context import RankContext, on_mesh
 from ._format import describe
 from .comm import comm_of
 from .custom_vjp import custom_vjp

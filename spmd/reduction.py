@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ._context import RankContext, anchor, on_mesh
+from ._anchor import anchor
+from ._context import RankContext, on_mesh
 from ._format import describe, shape_str
 from .collectives import _psum
 from .comm import comm_of

@@ -25,7 +25,8 @@ from typing import Any
 import optree
 import torch
 
-from ._context import anchor, on_mesh
+from ._anchor import anchor
+from ._context import on_mesh
 from ._format import describe, shape_str
 from .comm import comm_of
 from .custom_vjp import custom_vjp

@@ -24,7 +24,8 @@ import optree
 import torch
 
 from . import _tree
-from ._context import RankContext, collect_anchors, in_rank_of
+from ._anchor import collect_anchors
+from ._context import RankContext, in_rank_of
 from ._format import describe, shape_str
 from .comm import comm_of
 from .comm.rank_threads import run_on_threads

@@ -1,0 +1,47 @@
+"""Anchors: every rank creates the autograd node of a collective, even without a gradient.
+
+Part of the one autograd convention (see ``collectives``): a collective's backward is
+itself a collective, so every rank must run it.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+_local = threading.local()
+
+
+class collect_anchors:
+    """Collect the anchors that collectives create on this thread (see ``anchor``)."""
+
+    def __enter__(self) -> list:
+        stack = getattr(_local, "stack", None)
+        if stack is None:
+            stack = _local.stack = []
+        stack.append([])
+        return stack[-1]
+
+    def __exit__(self, *exc) -> None:
+        _local.stack.pop()
+
+
+def anchor(x):
+    """Make ``x`` require grad (as a detached copy) when grad mode is on and it doesn't.
+
+    A collective's backward is itself a collective, so every rank must run it. A rank
+    whose input needs no gradient (an empty shard, a constant) would create no
+    autograd node and leave the others waiting; anchoring makes the node exist on
+    every rank. shard_map asks autograd for the anchors' gradients too, so no rank's
+    engine prunes the collective's backward.
+    """
+    if x.requires_grad or not torch.is_grad_enabled() or not (x.is_floating_point() or x.is_complex()):
+        return x
+    try:
+        a = x.detach().requires_grad_()
+    except RuntimeError:  # inside a torch.func transform, which refuses requires_grad_
+        return x
+    stack = getattr(_local, "stack", None)
+    if stack:
+        stack[-1].append(a)
+    return a
