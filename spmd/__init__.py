@@ -3,7 +3,7 @@
 Importing spmd changes nothing global.
 """
 from . import nn, ops, parallel
-from .collectives import (
+from .collectives.primitives import (
     all_gather,
     all_to_all,
     axis_index,
@@ -16,20 +16,20 @@ from .collectives import (
     psum,
     psum_scatter,
 )
+from .collectives.vjp import custom_vjp
 from .comm.stats import CommStats, comm_stats
-from .custom_vjp import custom_vjp
-from .errors import CommAborted, CommError, CommTimeout, SpecError
-from .halo import halo_pad, halo_trim
-from .launch import launch
-from .layout import Layout
-from .mesh import Mesh
-from .placeholder import Placeholder
-from .redistribute import redistribute
-from .reduction import reduce
-from .scatter_gather import backward, gather, scatter
-from .shard_map import shard_map
-from .spec import P
-from .visualize import visualize
+from .core.errors import CommAborted, CommError, CommTimeout, SpecError
+from .core.layout import Layout
+from .core.mesh import Mesh
+from .core.placeholder import Placeholder
+from .core.spec import P
+from .mapping import shard_map
+from .run.launcher import launch
+from .transforms.halo import halo_pad, halo_trim
+from .transforms.redistribution import redistribute
+from .transforms.reduction import reduce
+from .transforms.scatter_gather import backward, gather, scatter
+from .viz.picture import visualize
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,7 @@ def _main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] != "demo":
         print("usage: python -m spmd demo [--ranks N] [--steps N] [--size N] [--backend threads|gloo] [--seed N] (--help)")
         return 2
-    from ._demo import main
+    from .demo.cli import main
     return main(sys.argv[2:])
 
 

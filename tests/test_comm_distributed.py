@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from spmd.comm import comm_of
-from spmd.errors import CommError, CommTimeout
-from spmd.launch import launch
+from spmd.core.errors import CommError, CommTimeout
+from spmd.run.launcher import launch
 
 pytestmark = pytest.mark.gloo
 
@@ -231,7 +231,7 @@ def test_exception_on_one_rank(gloo2):
 
 
 def test_whole_run_deadline():
-    from spmd._procs import ProcessPool
+    from spmd.run.processes import ProcessPool
     # 3 s: the first all_reduce (gloo connects lazily) must fit even on a loaded machine
     with ProcessPool(2, timeout=3, slack=0.5) as pool:
         assert pool.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]

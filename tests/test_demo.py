@@ -15,7 +15,8 @@ import torch
 
 import spmd
 from spmd import __main__ as spmd_main
-from spmd import _demo, demo
+from spmd.demo import cli as _demo
+from spmd.demo import heat as demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

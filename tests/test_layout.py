@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spmd import Layout, Mesh, P, SpecError
-from spmd.layout import balanced_sizes
-from spmd.spec import entry_axes
+from spmd.core.layout import balanced_sizes
+from spmd.core.spec import entry_axes
 from spmd.testing import strategies as sst
 
 # -- balanced_sizes ----------------------------------------------------------------------

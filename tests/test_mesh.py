@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from spmd import Mesh, SpecError
-from spmd.mesh import Group, coords_of
+from spmd.core.mesh import Group, coords_of
 
 NAMES = ("a", "b", "c", "d")
 
@@ -333,7 +333,7 @@ def test_rank_outside_rank_threads():
 
 
 def test_rank_inside_a_rank_context():
-    from spmd._context import RankContext
+    from spmd.core._context import RankContext
     m = Mesh((2, 2), ("dp", "sp"))
     with RankContext(m, 3):
         assert m.rank == 3

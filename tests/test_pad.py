@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import Layout, P
-from spmd.halo import check_mode
 from spmd.testing import assert_matches_single_device
 from spmd.testing import strategies as sst
+from spmd.transforms.halo import check_mode
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 MODES = ["constant", "reflect", "replicate", "circular"]

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.reduction import reduce
 from spmd.testing import on_mesh
 from spmd.testing import strategies as sst
+from spmd.transforms.reduction import reduce
 
 F64 = torch.float64
 OPS = ["sum", "mean", "max", "min"]

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.scatter_gather import backward, gather, scatter
-from spmd.spec import entry_axes
+from spmd.core.spec import entry_axes
 from spmd.testing import check_adjoint, on_mesh
+from spmd.transforms.scatter_gather import backward, gather, scatter
 
 F64 = torch.float64
 

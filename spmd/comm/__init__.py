@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .base import REDUCE_OPS, Comm
 
 if TYPE_CHECKING:
-    from ..mesh import Mesh
+    from ..core.mesh import Mesh
 
 __all__ = ["Comm", "REDUCE_OPS", "comm_of"]
 

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from ..mesh import Group
+from ..core.mesh import Group
 
 __all__ = ["Comm", "Work", "REDUCE_OPS"]
 

@@ -32,9 +32,9 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .._format import shape_str
-from ..errors import CommAborted, CommError, CommTimeout, SpecError
-from ..mesh import Group, Mesh
+from ..core._format import shape_str
+from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
+from ..core.mesh import Group, Mesh
 from .base import REDUCE_OPS
 from .stats import count
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .._context import RankContext
-from ..errors import CommAborted, CommTimeout, tag_rank
-from ..mesh import Mesh
+from ..core._context import RankContext
+from ..core.errors import CommAborted, CommTimeout, tag_rank
+from ..core.mesh import Mesh
 from . import comm_of
 
 __all__ = ["run_on_threads"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from .._format import describe
-from ..errors import CommAborted, CommError, CommTimeout, SpecError
-from ..mesh import Group, Mesh
+from ..core._format import describe
+from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
+from ..core.mesh import Group, Mesh
 from .base import REDUCE_OPS
 from .stats import count
 

@@ -4,7 +4,7 @@ Each layer is a subclass of its ``torch.nn`` twin with the same parameters and
 ``state_dict`` keys; its forward runs the ``spmd.ops`` version on this rank's shard.
 No monkey patching: ``convert`` returns a copy of the model with the layers swapped.
 """
-from .convert import UNSAFE, convert
+from .conversion import UNSAFE, convert
 from .modules import (
     SHARDED,
     AdaptiveAvgPool1d,

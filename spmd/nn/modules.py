@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..mesh import Mesh
+from ..core.mesh import Mesh
 from ..ops._window import input_layout
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",

@@ -20,8 +20,8 @@ from .conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
-from .interpolate import interpolate
-from .pad import pad
+from .interpolation import interpolate
+from .padding import pad
 from .pool import (
     avg_pool1d,
     avg_pool2d,

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from .._context import RankContext, on_mesh
-from .._format import describe
 from ..comm import comm_of
-from ..errors import SpecError
-from ..halo import check_mode, fetch_range
-from ..layout import Layout, balanced_sizes
-from ..mesh import Mesh
-from ..spec import P, as_spec
+from ..core._context import RankContext, on_mesh
+from ..core._format import describe
+from ..core.errors import SpecError
+from ..core.layout import Layout, balanced_sizes
+from ..core.mesh import Mesh
+from ..core.spec import P, as_spec
+from ..transforms.halo import check_mode, fetch_range
 
 __all__ = ["input_layout", "out_sizes", "fetch", "member_ranges", "with_layout"]
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: F401 - the doctests compare with F
 
-from ..layout import Layout
-from ..mesh import Mesh
+from ..core.layout import Layout
+from ..core.mesh import Mesh
 from ._window import check_ndim, input_layout, member_ranges, out_layout, out_sizes, with_layout
 from .pool import _NEG_INF, _check_dtype, _check_nonempty, _empty, _ravel, _window
 

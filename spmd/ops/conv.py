@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import SpecError
-from ..layout import Layout
-from ..mesh import Mesh
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
 from ._window import (
     check_ndim,
     fetch,

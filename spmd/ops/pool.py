@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..layout import Layout
-from ..mesh import Mesh
+from ..core.layout import Layout
+from ..core.mesh import Mesh
 from ._window import (
     check_ndim,
     fetch,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._format import dtype_str
+from ..core._format import dtype_str
 
 __all__ = ["BucketInfo", "assign", "Bucket"]
 

@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 import torch
 
-from .._context import in_rank_of
-from .._format import describe
 from ..comm import comm_of
 from ..comm.stats import in_backward
-from ..errors import SpecError
-from ..mesh import Mesh
+from ..core._context import in_rank_of
+from ..core._format import describe
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
 from .buckets import Bucket, BucketInfo, MiB, assign
 from .startup import broadcast_from_first, check_same_tensors, verify_equal
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .._format import shape_str
 from ..comm import comm_of
-from ..errors import SpecError
-from ..mesh import Group, Mesh
+from ..core._format import shape_str
+from ..core.errors import SpecError
+from ..core.mesh import Group, Mesh
 
 __all__ = ["check_same_tensors", "broadcast_from_first", "verify_equal"]
 

@@ -5,11 +5,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._context import current, in_rank_of
 from ..comm.rank_threads import run_on_threads
-from ..mesh import Mesh
-from ..placeholder import Placeholder
-from ..scatter_gather import backward
+from ..core._context import current, in_rank_of
+from ..core.mesh import Mesh
+from ..core.placeholder import Placeholder
+from ..transforms.scatter_gather import backward
 
 __all__ = ["check_adjoint"]
 
@@ -68,7 +68,7 @@ def check_adjoint(fn: Callable[[torch.Tensor], torch.Tensor], mesh: Mesh,
         return lhs, float((x.detach() * gx).sum())
 
     if in_rank_of(mesh):
-        from ..collectives import psum
+        from ..collectives.primitives import psum
         rank = current("check_adjoint").rank
         mine = torch.tensor(per_rank(rank), dtype=torch.float64)
         with torch.no_grad():

@@ -15,8 +15,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._procs import ProcessPool
-from ..launch import BACKENDS, launch
+from ..run.launcher import BACKENDS, launch
+from ..run.processes import ProcessPool
 
 __all__ = ["on_mesh", "run_on_mesh"]
 

@@ -8,13 +8,13 @@ from typing import Any
 import optree
 import torch
 
-from .. import _tree
-from .._context import current
-from .._format import dtype_str, shape_str
-from ..layout import Layout
-from ..mesh import Mesh
-from ..shard_map import shard_map
-from ..spec import P
+from ..core import _tree
+from ..core._context import current
+from ..core._format import dtype_str, shape_str
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.spec import P
+from ..mapping import shard_map
 
 __all__ = ["assert_matches_single_device", "default_tolerance"]
 

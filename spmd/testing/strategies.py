@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 from hypothesis import strategies as st
 
-from ..layout import Layout
-from ..mesh import Mesh
-from ..spec import P
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.spec import P
 
 __all__ = ["meshes", "split_sizes", "shapes", "specs", "layouts", "sharded_arrays",
            "ShardedArray"]

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._visualize_text import halo_str, size_str
+from ._text import halo_str, size_str
 
 if TYPE_CHECKING:
-    from .visualize import LayoutPicture
+    from .picture import LayoutPicture
 
 
 def plot(pic: LayoutPicture, ax: Any = None, *, cmap: str = "tab20",

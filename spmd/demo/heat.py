@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import psum
-from .comm.stats import CommStats, comm_stats
-from .mesh import Mesh
-from .nn import convert
-from .shard_map import shard_map
-from .spec import P
+from ..collectives.primitives import psum
+from ..comm.stats import CommStats, comm_stats
+from ..core.mesh import Mesh
+from ..core.spec import P
+from ..mapping import shard_map
+from ..nn import convert
 
 __all__ = ["SPEC", "heat_step", "heat_data", "HeatCNN", "make_model", "History",
            "train_single", "train_sharded", "max_param_diff"]

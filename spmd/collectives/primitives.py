@@ -9,7 +9,7 @@ device-varying, so each transpose is another public collective:
     broadcast(src) -> psum, kept on src          pmax/pmin -> psum, kept where the extremum is
 
 Under grad mode every collective is an autograd node on every rank, even where its
-input needs no gradient (see ``_context.anchor``): otherwise one rank would skip the
+input needs no gradient (see ``_anchor.anchor``): otherwise one rank would skip the
 collective's backward and the others would wait for it.
 
 Backward rules capture the (mesh, rank) of their forward and run the dual collective
@@ -26,13 +26,13 @@ from collections.abc import Sequence
 import optree
 import torch
 
+from ..comm import comm_of
+from ..core._context import RankContext, current
+from ..core._format import describe
+from ..core.errors import CommError, SpecError
+from ..core.layout import balanced_sizes
 from ._anchor import anchor
-from ._context import RankContext, current
-from ._format import describe
-from .comm import comm_of
-from .custom_vjp import custom_vjp
-from .errors import CommError, SpecError
-from .layout import balanced_sizes
+from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
            "all_to_all", "broadcast", "axis_index", "axis_size"]

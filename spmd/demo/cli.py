@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from . import demo
-from .layout import balanced_sizes
-from .mesh import Mesh
+from ..core.layout import balanced_sizes
+from ..core.mesh import Mesh
+from . import heat as demo
 
 TOL = 1e-5
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -158,7 +158,7 @@ def _run_local(a: argparse.Namespace) -> bool:
         note = (f"(the threads mesh runs {a.ranks} ranks as threads of this process on the "
                 f"same cores: it shows the numbers and bytes, not a speed-up)")
     elif a.backend == "gloo":
-        from .launch import launch
+        from ..run.launcher import launch
         _header(a, f"{a.ranks} gloo processes on 127.0.0.1", a.ranks, model)
         t0 = time.perf_counter()
         hs = launch(_gloo_rank, (a.ranks,), ("sp",), backend="gloo",

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .visualize import Block
+    from .picture import Block
 
 PAD = 2  # columns of space around a label inside its box
 

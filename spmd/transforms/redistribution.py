@@ -15,15 +15,15 @@ from typing import Any
 
 import torch
 
-from ._anchor import anchor
-from ._context import RankContext, on_mesh
-from ._format import describe
-from .comm import comm_of
-from .custom_vjp import custom_vjp
-from .errors import SpecError
-from .layout import Layout
-from .mesh import Mesh, coords_of
-from .spec import as_spec
+from ..collectives._anchor import anchor
+from ..collectives.vjp import custom_vjp
+from ..comm import comm_of
+from ..core._context import RankContext, on_mesh
+from ..core._format import describe
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh, coords_of
+from ..core.spec import as_spec
 
 __all__ = ["redistribute"]
 

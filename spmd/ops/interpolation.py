@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..layout import Layout
-from ..mesh import Mesh
+from ..core.layout import Layout
+from ..core.mesh import Mesh
 from ._window import fetch, input_layout, member_ranges, out_layout, out_sizes, with_layout
 
 __all__ = ["interpolate"]

@@ -16,13 +16,13 @@ from functools import lru_cache
 
 import torch
 
-from ._anchor import anchor
-from ._context import RankContext, on_mesh
-from ._format import describe
-from .comm import comm_of
-from .custom_vjp import custom_vjp
-from .errors import SpecError
-from .mesh import Mesh
+from ..collectives._anchor import anchor
+from ..collectives.vjp import custom_vjp
+from ..comm import comm_of
+from ..core._context import RankContext, on_mesh
+from ..core._format import describe
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
 
 __all__ = ["halo_pad", "halo_trim"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..errors import SpecError
-from ..layout import Layout
-from ..mesh import Mesh
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
 from ._window import fetch, input_layout, mode_error, out_layout, with_layout
 
 __all__ = ["pad"]

@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
-from ._anchor import anchor
-from ._context import RankContext, on_mesh
-from ._format import describe, shape_str
-from .collectives import _psum
-from .comm import comm_of
-from .custom_vjp import custom_vjp
-from .errors import SpecError
-from .layout import Layout
-from .mesh import Mesh
-from .spec import as_spec, entry_axes
+from ..collectives._anchor import anchor
+from ..collectives.primitives import _psum
+from ..collectives.vjp import custom_vjp
+from ..comm import comm_of
+from ..core._context import RankContext, on_mesh
+from ..core._format import describe, shape_str
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.spec import as_spec, entry_axes
 
 __all__ = ["reduce"]
 

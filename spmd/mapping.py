@@ -23,17 +23,17 @@ from typing import Any
 import optree
 import torch
 
-from . import _tree
-from ._anchor import collect_anchors
-from ._context import RankContext, in_rank_of
-from ._format import describe, shape_str
+from .collectives._anchor import collect_anchors
 from .comm import comm_of
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
-from .errors import SpecError
-from .layout import Layout
-from .mesh import Mesh
-from .spec import P
+from .core import _tree
+from .core._context import RankContext, in_rank_of
+from .core._format import describe, shape_str
+from .core.errors import SpecError
+from .core.layout import Layout
+from .core.mesh import Mesh
+from .core.spec import P
 
 __all__ = ["shard_map"]
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ._format import shape_str
-from ._visualize_text import render
-from .errors import SpecError
-from .layout import Layout
-from .mesh import coords_of
-from .placeholder import Placeholder
+from ..core._format import shape_str
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import coords_of
+from ..core.placeholder import Placeholder
+from ._text import render
 
 __all__ = ["visualize", "LayoutPicture", "Block"]
 
@@ -81,7 +81,7 @@ class LayoutPicture:
         with its ranks and size; ticks at shard boundaries in global indices; a dashed
         outline per block extended by its halo; empty shards in a note below.
         """
-        from ._visualize_plot import plot
+        from ._plot import plot
         return plot(self, ax, cmap=cmap, fontsize=fontsize)
 
 

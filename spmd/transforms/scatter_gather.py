@@ -25,15 +25,15 @@ from typing import Any
 import optree
 import torch
 
-from ._anchor import anchor
-from ._context import on_mesh
-from ._format import describe, shape_str
-from .comm import comm_of
-from .custom_vjp import custom_vjp
-from .errors import SpecError
-from .layout import Layout
-from .mesh import Mesh
-from .placeholder import Placeholder
+from ..collectives._anchor import anchor
+from ..collectives.vjp import custom_vjp
+from ..comm import comm_of
+from ..core._context import on_mesh
+from ..core._format import describe, shape_str
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.placeholder import Placeholder
 
 __all__ = ["scatter", "gather", "backward"]
 
@@ -97,7 +97,7 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
         send their cotangents back in the backward exchange.
 
     Example:
-        >>> from spmd.scatter_gather import scatter
+        >>> from spmd.transforms.scatter_gather import scatter
         >>> def body(mesh):
         ...     x = torch.arange(5.0, requires_grad=True) if mesh.rank == 0 else None
         ...     y = scatter(x, mesh, P("sp"), src=0)
@@ -231,7 +231,7 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
         on ``dst`` and the Placeholder elsewhere, makes them receive their cotangents.
 
     Example:
-        >>> from spmd.scatter_gather import backward, gather
+        >>> from spmd.transforms.scatter_gather import backward, gather
         >>> def body(mesh):
         ...     x = torch.full((mesh.rank + 1,), float(mesh.rank), requires_grad=True)
         ...     y = gather(x, mesh, P("sp"), dst=0)
@@ -362,7 +362,7 @@ def backward(outputs: Any, grads: Any = None) -> None:
     on every rank (one gather per backward call is the safe pattern).
 
     Example:
-        >>> from spmd.scatter_gather import backward
+        >>> from spmd.transforms.scatter_gather import backward
         >>> x = torch.ones(2, requires_grad=True)
         >>> backward([x * 3], [torch.tensor([1.0, 2.0])]); x.grad
         tensor([3., 6.])

@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .comm.rank_threads import run_on_threads
-from .errors import SpecError
-from .mesh import Mesh
+from ..comm.rank_threads import run_on_threads
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
 
 __all__ = ["launch"]
 
@@ -46,6 +46,6 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
         return run_on_threads(mesh, lambda rank: fn(mesh, *args), timeout=timeout,
                               own_threads=True)
     if backend == "gloo":
-        from ._procs import launch_processes
+        from .processes import launch_processes
         return launch_processes(fn, mesh_shape, axis_names, args=args, timeout=timeout)
     raise SpecError(f"launch: backend must be one of {BACKENDS}, got {backend!r}")

@@ -13,7 +13,7 @@ from typing import Any
 import optree
 import torch
 
-from .comm.stats import in_backward
+from ..comm.stats import in_backward
 
 __all__ = ["custom_vjp"]
 

@@ -26,7 +26,7 @@ class Placeholder:
 
     A Placeholder made by ``spmd.gather`` with a gradient also holds a private handle to
     the gather's autograd node (not compared, hashed, shown or pickled), so that
-    ``p.backward()`` (or ``spmd.scatter_gather.backward(p)``) lets a rank without data
+    ``p.backward()`` (or ``spmd.backward(p)``) lets a rank without data
     take part in the backward exchange.
 
     Example:

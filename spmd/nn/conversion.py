@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import SpecError
-from ..mesh import Mesh
-from ..spec import as_spec
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
+from ..core.spec import as_spec
 from .modules import SHARDED
 
 __all__ = ["convert", "UNSAFE"]

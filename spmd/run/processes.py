@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
-from .errors import CommAborted, CommTimeout, SpecError, tag_rank
+from ..core.errors import CommAborted, CommTimeout, SpecError, tag_rank
 
 __all__ = ["ProcessPool", "launch_processes"]
 
@@ -350,7 +350,7 @@ def _worker(rank: int, world: int, port: int, timeout: float, conn, parent_pid: 
                               timeout=datetime.timedelta(seconds=max(timeout, 60.0)))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
-        from .mesh import Mesh
+        from ..core.mesh import Mesh
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         _send(conn, _error_msg(-1, e))
         return
