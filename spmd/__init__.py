@@ -1,14 +1,49 @@
 """spmd: JAX-style functional SPMD on PyTorch, for domain-parallel scientific ML.
 
-Importing spmd changes nothing global.
+Split the domain of one sample (a 3-D volume, a global weather field) over ranks, write
+the per-shard program in ordinary PyTorch, name every byte that moves, and get the
+single-device values and gradients back. Uneven shards are normal. Importing spmd
+changes nothing global.
+
+Start with five names:
+
+    Mesh        ranks in an n-d grid with named axes: Mesh((2, 4), ("dp", "sp"))
+    P           a partition spec, one entry per dim: P(None, "sp") splits dim 1 over "sp"
+    shard_map   shard_map(f, mesh, in_specs, out_specs)(x): f runs on every rank's shard
+    psum        the JAX-named collectives (psum, all_gather, ppermute, ...), differentiable
+    halo_pad    a shard plus its neighbours' rows, F.pad's modes at the domain's edge
+
+    >>> mesh = Mesh((4,), ("sp",))
+    >>> x = torch.arange(10.0)
+    >>> shard_map(lambda s: psum(s.sum(), "sp"), mesh, P("sp"), P())(x)
+    tensor(45.)
+
+The layers, each importing only the ones listed before it:
+
+    core/         Mesh, P, Layout, Placeholder, errors: pure data and arithmetic
+    comm/         the communication protocol, its threads and torch.distributed backends,
+                  comm_stats
+    collectives/  psum, all_gather, ppermute, ... with their transposes; custom_vjp
+    transforms/   scatter, gather, halo_pad, reduce, redistribute, each with its adjoint
+    mapping.py    shard_map: a per-shard function as one differentiable global call
+    ops/, nn/     domain-parallel layers (convolutions, pooling, ...) and nn.convert
+    parallel/     GradSync: bucketed, overlapped gradient sync of replicated parameters
+    run/          launch: one function on every rank, as threads or gloo processes
+    testing/      prove your own ops: assert_matches_single_device, check_adjoint, on_mesh
+    viz/, demo/   visualize a layout; the heat-diffusion demo (python -m spmd demo)
+
+Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
+``spmd.nn.convert`` to make a model domain-parallel; ``spmd.parallel.GradSync`` for
+per-rank training; ``spmd.testing`` to prove an op; the notebooks in ``notebooks/``.
 """
 from . import nn, ops, parallel
-from .collectives.primitives import (
+from .collectives import (
     all_gather,
     all_to_all,
     axis_index,
     axis_size,
     broadcast,
+    custom_vjp,
     pmax,
     pmean,
     pmin,
@@ -16,20 +51,12 @@ from .collectives.primitives import (
     psum,
     psum_scatter,
 )
-from .collectives.vjp import custom_vjp
 from .comm.stats import CommStats, comm_stats
-from .core.errors import CommAborted, CommError, CommTimeout, SpecError
-from .core.layout import Layout
-from .core.mesh import Mesh
-from .core.placeholder import Placeholder
-from .core.spec import P
+from .core import CommAborted, CommError, CommTimeout, Layout, Mesh, P, Placeholder, SpecError
 from .mapping import shard_map
-from .run.launcher import launch
-from .transforms.halo import halo_pad, halo_trim
-from .transforms.redistribution import redistribute
-from .transforms.reduction import reduce
-from .transforms.scatter_gather import backward, gather, scatter
-from .viz.picture import visualize
+from .run import launch
+from .transforms import backward, gather, halo_pad, halo_trim, redistribute, reduce, scatter
+from .viz import visualize
 
 __version__ = "0.1.0"
 
