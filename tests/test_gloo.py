@@ -4,9 +4,9 @@ Every per-rank program here runs on the session pools (``gloo2``, ``gloo4`` in
 conftest.py) and is checked twice:
 
 * against a single-device float64 reference computed in this process with plain torch
-  ops (the approach of tests/test_collectives.py and tests/test_shard_map.py), and
+  ops (the approach of tests/collectives/test_primitives.py and tests/test_mapping.py), and
 * for the collectives, against the very same per-rank program run by
-  ``spmd.launch(..., backend="threads")``, which tests/test_collectives.py checks against
+  ``spmd.launch(..., backend="threads")``, which tests/collectives/test_primitives.py checks against
   float64 references with many more examples.
 
 Tolerances. Collectives: reductions (psum, pmean, pmax/pmin tie sharing, the psum in
@@ -16,7 +16,7 @@ only move data (all_gather, ppermute, all_to_all, broadcast values; ppermute and
 all_to_all gradients) must match exactly. shard_map: the sharded run adds partial sums
 per shard and then over ranks, and the gradient all-reduce adds per-rank partial
 gradients, so results differ from one device by a few ulps of float64: rtol = atol = 1e-10
-(as tests/test_shard_map.py).
+(as tests/test_mapping.py).
 
 The machine running CI has 2 cores (4 processes are oversubscribed): few, batched runs.
 Functions run by workers are module-level so that spawned processes can import them.

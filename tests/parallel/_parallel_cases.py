@@ -1,7 +1,7 @@
 """Per-rank training programs for GradSync and their single-device references.
 
-Shared by tests/test_parallel.py (threads backend, through ``spmd.launch``) and
-tests/test_parallel_gloo.py (the gloo pools): module-level, so spawned processes can
+Shared by tests/parallel/test_grad_sync.py (threads backend, through ``spmd.launch``) and
+tests/parallel/test_grad_sync_gloo.py (the gloo pools): module-level, so spawned processes can
 import them. Models are built by the caller (one process, one RNG) and passed in; every
 rank trains its own ``copy.deepcopy``.
 

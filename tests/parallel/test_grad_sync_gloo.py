@@ -1,6 +1,6 @@
 """GradSync and all_reduce_async on real gloo processes (the session pools, world 2 and 4).
 
-The same per-rank programs as tests/test_parallel.py (tests/_parallel_cases.py),
+The same per-rank programs as tests/parallel/test_grad_sync.py (tests/parallel/_parallel_cases.py),
 compared with single-device float64 training at rtol = atol = 1e-9 (gloo's ring adds in
 another order than one device: a few ulps, grown a little by a few Adam steps). Few,
 small runs: the CI machine has 2 cores.

@@ -1,7 +1,7 @@
 """spmd.parallel.GradSync and the asynchronous all-reduce, on the threads backend.
 
 Training runs compare against single-device training on the global batch in float64
-(tests/_parallel_cases.py): reductions reorder float64 additions, and the per-rank
+(tests/parallel/_parallel_cases.py): reductions reorder float64 additions, and the per-rank
 losses split sums differently, so parameters after a few SGD/Adam steps agree to
 rtol = atol = 1e-9 (Adam divides by sqrt of tiny second moments: looser than 1e-10).
 bf16/fp16 buckets: the dtype's own tolerance against the same reduction done by hand.

@@ -1,4 +1,4 @@
-"""spmd.ops on real gloo processes (world 2 and 4): the same checks as tests/test_conv.py
+"""spmd.ops on real gloo processes (world 2 and 4): the same checks as tests/ops/test_conv.py
 (float64 single-device comparison, tolerance in tests/_ops.py), a few cases each, since
 CI has 2 cores. Per-rank functions are module-level so spawned workers can import them.
 """

@@ -1,4 +1,4 @@
-"""spmd.ops pools on real gloo processes (world 2): the same checks as tests/test_pool.py
+"""spmd.ops pools on real gloo processes (world 2): the same checks as tests/ops/test_pool.py
 (float64 single-device comparison: max values and indices exactly, gradients within
 tests/_ops.py's tolerance), a few cases, since CI has 2 cores. Per-rank functions are
 module-level so spawned workers can import them.

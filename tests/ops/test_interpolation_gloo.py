@@ -1,5 +1,5 @@
 """spmd.ops.interpolate on real gloo processes (world 2): the checks of
-tests/test_interpolate.py (float64 single-device comparison, tolerance in tests/_ops.py)
+tests/ops/test_interpolation.py (float64 single-device comparison, tolerance in tests/_ops.py)
 on a few cases, since CI has 2 cores. Per-rank functions are module-level so spawned
 workers can import them.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_interpolate import run_interp
+from test_interpolation import run_interp
 
 import spmd
 from spmd import Layout, P
