@@ -66,3 +66,12 @@ class Comm(Protocol):
 
     def barrier(self, group: Group, *, name: str = "barrier") -> None:
         """Return once every member arrived."""
+
+    def open(self, group: Group) -> None:
+        """Set up ``group``'s transport now rather than at its first collective.
+
+        Collective over EVERY rank of the mesh (members or not), at the same point of
+        the program: on torch.distributed a new channel creates process groups, which
+        every process must create in the same order. A no-op where there is nothing to
+        set up.
+        """

@@ -4,7 +4,8 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 
 - One process group per group of ranks, built on ``init_device_mesh`` for single axes
   (``dist.new_group`` for tuples of axes, all groups of the partition created at first
-  use, in one order on every rank). A ``Group`` lists its members in the order of the
+  use, in one order on every rank). A group on another channel (``Group.channel``) gets
+  process groups of its own, created by ``open`` at the same point on every rank. A ``Group`` lists its members in the order of the
   axes' linearised index (first axis major); a process group orders them by global rank.
   Each group keeps both maps (``pg_of``: member index -> process-group rank, ``idx_of``:
   the inverse), and every result list is put back in ``Group`` order.
@@ -86,7 +87,7 @@ class TorchComm:
         self.validate: bool = os.environ.get("SPMD_VALIDATE", "") == "1"
         self._td = datetime.timedelta(seconds=mesh.timeout)
         self._recs: dict[Group, _PG] = {}
-        self._pgs: dict[frozenset, dict[tuple[int, ...], object]] = {}
+        self._pgs: dict[tuple, dict[tuple[int, ...], object]] = {}
         self._dm = None
         self._zero: torch.Tensor | None = None
         self._progress = _Progress.get()
@@ -106,23 +107,30 @@ class TorchComm:
         """The torch ProcessGroup of ``group`` (created on first use, on every rank)."""
         return self._rec(group).pg
 
+    def open(self, group: Group) -> None:
+        self._rec(group)
+
     def _rec(self, group: Group) -> _PG:
         rec = self._recs.get(group)
         if rec is None:
             pg = self._make_pg(group)
             pg_of = tuple(dist.get_group_rank(pg, r) for r in group.ranks)
             m = self.mesh
-            key = zlib.crc32(repr((m.shape, m.axis_names, group.axes, group.ranks)).encode())
+            key = zlib.crc32(repr((m.shape, m.axis_names, group.axes, group.ranks,
+                                   group.channel)).encode())
             rec = self._recs[group] = _PG(pg, pg_of, key)
         return rec
 
     def _make_pg(self, group: Group):
         axes, mesh = group.axes, self.mesh
-        if len(axes) == 1:
-            return self.device_mesh.get_group(axes[0])
-        if len(set(axes)) == len(mesh.axis_names):
-            return dist.group.WORLD
-        key = frozenset(axes)
+        if not group.channel:
+            if len(axes) == 1:
+                return self.device_mesh.get_group(axes[0])
+            if len(set(axes)) == len(mesh.axis_names):
+                return dist.group.WORLD
+        # Another channel gets process groups of its own, so that its collectives never
+        # queue behind (or meet) the default channel's.
+        key = (frozenset(axes), group.channel)
         pgs = self._pgs.get(key)
         if pgs is None:
             # new_group is collective over the whole world: every rank creates every

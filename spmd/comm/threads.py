@@ -67,7 +67,7 @@ class ThreadComm:
         return self._collect(group, self._arrive(group, op, payload, name, combine), name)
 
     def _next_seq(self, group: Group) -> int:
-        sk = ((group.axes, group.ranks), group.rank)
+        sk = ((group.axes, group.ranks, group.channel), group.rank)
         seq = self._seq.get(sk, 0)
         self._seq[sk] = seq + 1  # only this rank's thread touches its own counter
         return seq
@@ -75,7 +75,7 @@ class ThreadComm:
     def _arrive(self, group: Group, op: str, payload: Any, name: str,
                 combine: Callable[[list[Any]], Any] | None) -> tuple[tuple, _Slot]:
         """Deposit this member's payload without waiting (the first half of exchange)."""
-        key = (group.axes, group.ranks)
+        key = (group.axes, group.ranks, group.channel)
         seq = self._next_seq(group)
         n = group.size
         with self._lock:
@@ -241,6 +241,9 @@ class ThreadComm:
     def barrier(self, group, *, name="barrier"):
         count("barrier", name, group)
         self.exchange(group, "barrier", None, name=name)
+
+    def open(self, group):
+        pass  # a channel is a key of the rendezvous: nothing to set up
 
 
 class _ThreadWork:

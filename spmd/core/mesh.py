@@ -21,11 +21,16 @@ class Group:
 
     ``ranks`` are global ranks in the order of the axes' linearised index (the first
     axis major), and ``index`` is the position of the calling rank among them.
+    ``channel`` names an independent stream of collectives among the same ranks: each
+    channel has its own order (and, on torch.distributed, its own process group), so
+    collectives on one never meet collectives on another. ``""`` is the one every
+    collective uses unless it asks for another (GradSync's buckets run on their own).
     """
 
     axes: tuple[str, ...]
     ranks: tuple[int, ...]
     index: int
+    channel: str = ""
 
     @property
     def size(self) -> int:
@@ -145,11 +150,13 @@ class Mesh:
             idx = idx * self.shape[p] + c[p]
         return idx
 
-    def group(self, axes: str | Sequence[str], rank: int | None = None) -> Group:
-        """The ranks meeting with ``rank`` in a collective over ``axes``."""
+    def group(self, axes: str | Sequence[str], rank: int | None = None, *,
+              channel: str = "") -> Group:
+        """The ranks meeting with ``rank`` in a collective over ``axes`` (on ``channel``,
+        see ``Group``)."""
         axes = _axes_tuple(axes)
         rank = self.rank if rank is None else rank
-        key = (axes, rank)
+        key = (axes, rank, channel)
         g = self._groups.get(key)
         if g is None:
             pos = [self._axis_pos(a) for a in axes]
@@ -163,7 +170,7 @@ class Mesh:
                     c[p] = lin % self.shape[p]
                     lin //= self.shape[p]
                 members.append(self.rank_of(c))
-            g = Group(axes, tuple(members), members.index(rank))
+            g = Group(axes, tuple(members), members.index(rank), channel)
             self._groups[key] = g
         return g
 

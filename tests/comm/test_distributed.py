@@ -134,6 +134,24 @@ def _rank_sum(mesh):
 
 # -- helpers -------------------------------------------------------------------------------
 
+def _channels(mesh, axes):
+    """Rank 0 starts an all-reduce on a channel of its own and then meets the others in a
+    psum on the default channel; the other ranks take the psum first. On one channel this
+    is a mismatch (or a hang); on two, both complete. The channel is opened first."""
+    c = comm_of(mesh)
+    g = mesh.group(axes)
+    side = mesh.group(axes, channel="side")
+    c.open(side)
+    x = torch.arange(4.0) + 10 * mesh.rank
+    if g.index == 0:
+        w = c.all_reduce_async(x, "sum", side, name="side")
+        s = c.all_reduce(torch.tensor([1.0]), "sum", g, name="psum")
+    else:
+        s = c.all_reduce(torch.tensor([1.0]), "sum", g, name="psum")
+        w = c.all_reduce_async(x, "sum", side, name="side")
+    return w.wait(), s
+
+
 def _same(a, b, path="out"):
     assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, torch.Tensor):
@@ -196,6 +214,21 @@ def test_suite_2d_mesh_tuple_group(gloo4):
 def test_suite_world4(gloo4):
     got = gloo4.run(_suite, (4,), ("sp",), args=("sp",))
     _check_suite(got, (4,), ("sp",), "sp")
+
+
+def test_channels_are_independent_world2(gloo2):
+    got = gloo2.run(_channels, (2,), ("sp",), args=("sp",), timeout=20)
+    want = launch(_channels, (2,), ("sp",), args=("sp",))
+    for (a, s), (wa, ws) in zip(got, want):
+        assert torch.equal(a, torch.arange(4.0) * 2 + 10) and torch.equal(a, wa)
+        assert torch.equal(s, torch.tensor([2.0])) and torch.equal(s, ws)
+
+
+def test_channels_are_independent_2d_world4(gloo4):
+    got = gloo4.run(_channels, (2, 2), ("dp", "sp"), args=("dp",), timeout=20)
+    want = launch(_channels, (2, 2), ("dp", "sp"), args=("dp",))
+    for (a, s), (wa, ws) in zip(got, want):
+        assert torch.equal(a, wa) and torch.equal(s, ws)
 
 
 def test_validation_mismatch_same_error_everywhere(gloo2):

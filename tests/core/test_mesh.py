@@ -223,6 +223,14 @@ def test_group_is_cached_and_stable():
     assert m.group("sp", 1) == Group(("sp",), (0, 1), 1)
 
 
+def test_a_channel_is_another_group_of_the_same_ranks():
+    m = Mesh((2, 2), ("dp", "sp"))
+    g, c = m.group("sp", 1), m.group("sp", 1, channel="grad_sync")
+    assert c is m.group("sp", 1, channel="grad_sync") and c != g and hash(c) != hash(g)
+    assert (c.axes, c.ranks, c.index, c.channel) == (("sp",), (0, 1), 1, "grad_sync")
+    assert g.channel == ""
+
+
 # -- errors ------------------------------------------------------------------------------
 
 
