@@ -16,7 +16,7 @@ Models (each rank its own batch; both variants start from the same weights):
                  them (GradSync learns the order in the first step; so does DDP)
 
 A step is ``zero_grad(); loss.backward(); step()`` (``sync.wait()`` before the step for
-GradSync; DDP reduces inside backward). Variants run interleaved, in an order rotated
+GradSync; both reduce inside backward, finishing when the autograd engine does). Variants run interleaved, in an order rotated
 each step, after a barrier outside the timed region; times are taken on rank 0 with
 ``perf_counter``. Columns:
 
@@ -24,7 +24,8 @@ each step, after a barrier outside the timed region; times are taken on rank 0 w
     local           the same step with no communication at all (the compute floor)
     ratio           median over steps of the paired ratio GradSync / DDP (same step
                     index), and its range over 5 blocks of steps (wide = the load moved)
-    exposed         median over steps of the time spent in ``sync.wait()`` after backward
+    exposed         median over steps of the time spent at the end of backward starting
+                    the last buckets and waiting for all of them (and in ``sync.wait()``),
                     by the rank that waited least (the other one also waits for its lag)
     alone           median time to all-reduce the same buckets with nothing else running
     overlap         1 - exposed / alone: the part of GradSync's communication hidden
@@ -125,7 +126,9 @@ def per_rank(mesh, name: str, steps: int, warmup: int, caps: tuple[float, float]
         t4 = clock()
         phases[v].append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
         if sync is not None:
-            waits.append(t3 - t2)
+            # The buckets left at the end of backward are started and waited for there
+            # (inside loss.backward()); wait() only ends the iteration.
+            waits.append(sync._finish_s + (t3 - t2))
 
     def step_ddp():
         run("DDP", ddp, ddp_opt)

@@ -1,10 +1,11 @@
 """Buckets: flat buffers that carry many gradients in one all-reduce.
 
 A bucket holds parameters of one dtype and one device (never mixed: a bf16 gradient
-summed in an fp32 buffer would not be what one device computes). ``assign`` packs
-parameters into buckets in a given order (the order their gradients become ready in
-backward), and orders the buckets by when their last member becomes ready, so that
-launching strictly in plan order never waits on a bucket that could not have started.
+summed in an fp32 buffer would not be what one device computes), reduced over one set
+of mesh axes. ``assign`` packs parameters into buckets in a given order (the order
+their gradients become ready in backward), and orders the buckets by when their last
+member becomes ready, so that launching strictly in plan order never waits on a bucket
+that could not have started.
 """
 from __future__ import annotations
 
@@ -28,32 +29,39 @@ class BucketInfo:
         dtype, device: of every gradient in the bucket.
         names: the parameters, in the order their gradients are expected to be ready.
         numel: gradient elements in the bucket.
+        axes: the mesh axes its all-reduce runs over (fewer than the synchronised ones
+            for parameters declared ``varying`` over some of them).
     """
 
     dtype: torch.dtype
     device: torch.device
     names: tuple[str, ...]
     numel: int
+    axes: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
+        """The gradients' bytes (without the few flag elements that ride along)."""
         return self.numel * self.dtype.itemsize
 
     def __repr__(self) -> str:
         size = (f"{self.nbytes / MiB:.2f} MiB" if self.nbytes >= MiB // 8
                 else f"{self.nbytes} B")
-        return (f"Bucket({dtype_str(self.dtype)} on {self.device}, {size}: "
+        over = f" over {', '.join(self.axes)}" if self.axes else ""
+        return (f"Bucket({dtype_str(self.dtype)} on {self.device}{over}, {size}: "
                 f"{', '.join(self.names)})")
 
 
 def assign(order: Sequence[int], params: Sequence[torch.Tensor], cap_bytes: int,
-           first_cap_bytes: int) -> list[list[int]]:
+           first_cap_bytes: int, groups: Sequence[object] | None = None) -> list[list[int]]:
     """Pack parameter indices, taken in ``order``, into buckets; return them in launch order.
 
-    One open bucket per (dtype, device); a bucket closes once it holds at least its cap
-    (the first bucket of each key ``first_cap_bytes``, so communication starts early in
-    backward; later ones ``cap_bytes``), as PyTorch's DDP does. Buckets are sorted by
-    the position of their last member in ``order``: the moment they become ready.
+    One open bucket per (dtype, device, ``groups[i]``: what the bucket reduces over); a
+    bucket closes once it holds at least its cap (the first bucket of each key
+    ``first_cap_bytes``, so communication starts early in backward; later ones
+    ``cap_bytes``), as PyTorch's DDP does: no bucket exceeds its cap by more than its
+    last parameter. Buckets are sorted by the position of their last member in
+    ``order``: the moment they become ready.
     """
     pos = {i: k for k, i in enumerate(order)}
     open_: dict[tuple, list[int]] = {}
@@ -62,7 +70,7 @@ def assign(order: Sequence[int], params: Sequence[torch.Tensor], cap_bytes: int,
     out: list[list[int]] = []
     for i in order:
         p = params[i]
-        key = (p.dtype, p.device)
+        key = (p.dtype, p.device, None if groups is None else groups[i])
         b = open_.setdefault(key, [])
         b.append(i)
         size[key] = size.get(key, 0) + p.numel() * p.element_size()
@@ -86,11 +94,12 @@ class Bucket:
     """
 
     __slots__ = ("index", "params", "names", "numel", "buffer", "grads", "flags", "views",
-                 "viewable", "offsets", "ready", "pending", "work", "scaled")
+                 "viewable", "offsets", "ready", "pending", "work", "axes")
 
     def __init__(self, index: list[int], params: Sequence[torch.Tensor],
-                 names: Sequence[str], grad_as_view: bool):
+                 names: Sequence[str], grad_as_view: bool, axes: tuple[str, ...] = ()):
         self.index = index
+        self.axes = axes
         self.params = [params[i] for i in index]
         self.names = tuple(names[i] for i in index)
         sizes = [p.numel() for p in self.params]
@@ -114,11 +123,10 @@ class Bucket:
         self.ready = [False] * len(index)
         self.pending = len(index)
         self.work = None
-        self.scaled = False
 
     def info(self) -> BucketInfo:
         p0 = self.params[0]
-        return BucketInfo(p0.dtype, p0.device, self.names, self.numel)
+        return BucketInfo(p0.dtype, p0.device, self.names, self.numel, self.axes)
 
     def reset(self) -> None:
         self.ready = [False] * len(self.index)

@@ -2,16 +2,21 @@
 and overlapped with backward.
 
 One Python code path for every backend and device (threads, gloo, NCCL): gradients are
-packed into flat buckets keyed by (dtype, device); a post-accumulate-grad hook on each
-parameter marks it ready; a bucket's asynchronous all-reduce starts once all its
-gradients are ready and every earlier bucket has started (buckets start strictly in
-plan order, the same on every rank, so collectives never cross); ``wait()`` starts
-what is left and waits for all of them.
+packed into flat buckets keyed by (dtype, device, axes); a post-accumulate-grad hook on
+each parameter marks it ready; a bucket's asynchronous all-reduce starts once all its
+gradients are ready and every earlier bucket has started (strictly in plan order, the
+same on every rank). The buckets run on a channel of their own (``Group.channel``), so
+their early starts never meet the program's other collectives, whose order may differ
+from rank to rank relative to the buckets (a parameter used on some ranks only, a psum
+inside backward). When the autograd engine finishes the backward pass, a callback
+queued on it starts what is left and waits for every bucket: when ``backward()``
+returns, the gradients are reduced.
 """
 from __future__ import annotations
 
 import math
 import threading
+import time
 import weakref
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,12 +30,14 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from .buckets import Bucket, BucketInfo, MiB, assign
-from .startup import broadcast_from_first, check_same_tensors, verify_equal
+from .startup import broadcast_from_first, check_same_names, check_same_tensors, verify_equal
 
 __all__ = ["GradSync"]
 
 OPS = ("sum", "mean")
 INITS = ("broadcast", "verify", None)
+DEFAULT_CAP_MB = 25.0  # as DDP
+DEFAULT_FIRST_CAP_MB = 1.0  # as DDP, when bucket_cap_mb is not given
 
 # Which live GradSync owns each parameter, by id (a live GradSync keeps its parameters
 # alive, so the ids stay theirs): two of them hooking one parameter is the mistake of
@@ -56,40 +63,61 @@ class GradSync:
         mesh: the mesh.
         axes: ``{axis: "sum" | "mean"}``, e.g. ``{"dp": "mean", "sp": "sum"}``; an axis
             name or a sequence of them means ``"mean"`` over each (as DDP).
-        bucket_cap_mb: close a bucket once it holds this many MiB (default 25, as DDP).
-        first_bucket_cap_mb: the cap of the first bucket of each dtype and device (1 MiB,
-            as DDP), so that communication starts early in backward.
-        init: ``"broadcast"`` (default) copies parameters and buffers from the first rank
-            of the group; ``"verify"`` checks by checksum that they are equal and raises
-            a ``SpecError`` naming the first differing parameter, on every rank; ``None``
-            trusts them. Names, dtypes and shapes are compared in every case.
+        bucket_cap_mb: close a bucket once it holds this many MiB (default 25, as DDP);
+            no bucket exceeds its cap by more than its last parameter.
+        first_bucket_cap_mb: the cap of the first bucket of each dtype, device and axes,
+            so that communication starts early in backward. Default: 1 MiB, or
+            ``bucket_cap_mb`` when that is given (torch DDP's convention since 2.x).
+        init: ``"broadcast"`` (default) copies parameters and buffers from the mesh's
+            first rank to every rank holding a replica; ``"verify"`` checks by checksum
+            that they are equal and raises a ``SpecError`` naming the first differing
+            parameter, on every rank; ``None`` trusts them. Names, dtypes and shapes are
+            compared in every case. Parameters are replicas over EVERY mesh axis (not
+            only the synchronised ones) unless declared ``varying``.
         grad_as_view: let each ``p.grad`` be a view into its bucket (dense, contiguous
             parameters), so gradients are neither copied in nor out, and take no memory
             of their own.
         learn_order: after the first synchronised iteration, rebuild the buckets in the
             order rank 0's gradients became ready (see ``buckets``).
-        ignore: names of parameters (and buffers) to leave alone, e.g. parameters
-            sharded over a synchronised axis.
-        name: what communication accounting (``spmd.comm_stats``) and errors call it.
+        ignore: names of parameters (and buffers) to leave alone entirely.
+        varying: ``{name: axis or axes}`` for parameters (and buffers) whose value
+            differs over those mesh axes, e.g. a field sharded over the domain axis
+            ``"sp"``: they are compared and broadcast at start only over the other axes,
+            and their gradients are reduced only over the synchronised axes they do not
+            vary over (not at all if that leaves none).
+        name: what communication accounting (``spmd.comm_stats``) and errors call it,
+            and the channel its buckets run on: two GradSyncs whose backward passes
+            overlap need different names.
 
     Rules:
-        - Buckets never mix dtypes or devices and start in plan order on every rank.
-        - One backward per iteration outside ``no_sync()``, then ``wait()`` before
-          reading or changing gradients (clipping included) or stepping. Gradients are
-          reduced as they are: zero them between iterations (``zero_grad``), and
-          accumulate micro-batches under ``no_sync()``.
+        - Buckets never mix dtypes, devices or axes, and start in plan order on every
+          rank, on the GradSync's own channel: collectives of the program (a loss
+          logged with ``pmean``, a ``psum`` inside backward) never meet them.
+        - When ``backward()`` returns, every bucket has been reduced: the end of the
+          backward pass (a callback queued on the autograd engine) starts the buckets
+          not started yet and waits for all of them. Nothing is pending afterwards,
+          except inside ``no_sync()``.
+        - One backward per iteration outside ``no_sync()``, then ``wait()`` (or the
+          attached optimizer's ``step()``), which ends the iteration, before the next
+          one. Gradients are reduced as they are: zero them between iterations
+          (``zero_grad``), and accumulate micro-batches under ``no_sync()``.
         - Every rank runs backward through the model each iteration (a rank without
-          data backprops a zero loss): ``wait()`` after a backward that reached no
-          parameter is a no-op, as is a second ``wait()``.
+          data backprops a zero loss); a rank whose backward reaches no synchronised
+          parameter starts no bucket, and the others' wait ends in ``CommTimeout``
+          naming it. ``wait()`` after a backward that reached no parameter on any rank
+          is a no-op, as is a second ``wait()``.
         - Unused parameters: a parameter that got no gradient on a rank contributes
           zeros there. Every rank ends with the reduced gradient of a parameter that
           any rank used; a parameter no rank used keeps what it had (``None`` after
           ``zero_grad()``), as on one device. Which is which travels in the buckets'
           all-reduce (one element per parameter), so nothing hangs or costs a
-          collective more.
-        - Double backward (``create_graph=True``) and sparse gradients are not supported.
-        - Build it after moving the model to its device and dtype. A new GradSync over
-          the same parameters on the same rank replaces the old one (closes it).
+          collective more. This holds in any iteration, the first one included.
+        - Double backward (``create_graph=True``), reentrant backward passes that
+          accumulate parameter gradients (``torch.utils.checkpoint`` with
+          ``use_reentrant=True``) and sparse gradients are refused with an error.
+        - Build it after moving the model to its device and dtype, at the same point of
+          the program on every rank of the mesh. A new GradSync over the same
+          parameters on the same rank replaces the old one (closes it).
 
     On a threads mesh used from ordinary code (``shard_map`` in the global view), all
     ranks share the Parameter objects and their gradients add up by themselves: the
@@ -114,9 +142,10 @@ class GradSync:
 
     def __init__(self, module: torch.nn.Module, mesh: Mesh,
                  axes: Mapping[str, str] | str | Sequence[str], *,
-                 bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float = 1.0,
+                 bucket_cap_mb: float | None = None, first_bucket_cap_mb: float | None = None,
                  init: str | None = "broadcast", grad_as_view: bool = True,
                  learn_order: bool = True, ignore: Collection[str] = (),
+                 varying: Mapping[str, str | Sequence[str]] | None = None,
                  name: str = "grad_sync"):
         what = f"GradSync({name!r})" if name != "grad_sync" else "GradSync"
         self._what = what
@@ -126,8 +155,13 @@ class GradSync:
             raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
         self.axes: dict[str, str] = _check_axes(axes, mesh, what)
         for arg, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not v > 0):
                 raise ValueError(f"{what}: {arg} must be a positive number of MiB, got {v!r}")
+        if first_bucket_cap_mb is None:
+            first_bucket_cap_mb = DEFAULT_FIRST_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        if bucket_cap_mb is None:
+            bucket_cap_mb = DEFAULT_CAP_MB
         if init not in INITS:
             raise ValueError(f"{what}: init must be one of {INITS}, got {init!r}")
         if isinstance(ignore, str):
@@ -137,41 +171,52 @@ class GradSync:
         if ignore - known:
             raise SpecError(f"{what}: ignore names {sorted(ignore - known)}, which are not "
                             f"parameters or buffers of the module")
+        self._varying = _check_varying(varying, known, ignore, mesh, what)
         self.mesh, self.name = mesh, name
         self._cap = int(bucket_cap_mb * MiB)
         self._first_cap = int(first_bucket_cap_mb * MiB)
         self._grad_as_view, self._learn = grad_as_view, learn_order
-        mean = math.prod(mesh.axis_size(a) for a, op in self.axes.items() if op == "mean")
-        self.scale: float | None = 1.0 / mean if mean > 1 else None
-        named = [(n, p) for n, p in module.named_parameters()
-                 if p.requires_grad and n not in ignore]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        # Each parameter is reduced over the synchronised axes it does not vary over.
+        named = [(n, p, tuple(a for a in self.axes if a not in self._varying.get(n, ())))
+                 for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
+        named = [(n, p, ax) for n, p, ax in named if ax]
+        self._names = [n for n, _, _ in named]
+        self._params = [p for _, p, _ in named]
+        self._axes_of = [ax for _, _, ax in named]
         self._buckets: list[Bucket] = []
         self._hooks: list = []
         self._closed = False
+        self.overlapped = 0
+        self._finish_s = 0.0  # seconds the last end of backward spent starting and waiting
         self.active = in_rank_of(mesh)
         if not self.active:  # the global view of a threads mesh: nothing to do
             return
         self.rank = mesh.rank
-        self.group = mesh.group(tuple(self.axes), self.rank)
+        # The buckets' own channel: their order is plan order on every rank, whatever
+        # the program's other collectives do around them.
+        self.group = mesh.group(tuple(self.axes), self.rank, channel=name)
+        self._groups = {ax: mesh.group(ax, self.rank, channel=name)
+                        for ax in sorted(set(self._axes_of), key=self._axis_order)}
+        self._scale = {ax: _mean_scale(mesh, self.axes, ax) for ax in self._groups}
         self._claim()
         try:
             state = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
                      if n not in ignore]
-            if self.group.size > 1:
-                check_same_tensors(mesh, self.group, state, what)
-                if init == "broadcast":
-                    broadcast_from_first(mesh, self.group, [t for _, t in state], what)
-                elif init == "verify":
-                    verify_equal(mesh, self.group, state, what)
+            _start_up(mesh, self.rank, state, self._varying, init, what)
+            comm = comm_of(mesh)
+            self._plan_group = mesh.group(mesh.axis_names, self.rank, channel=name)
+            for g in [self._plan_group, *self._groups.values()]:
+                comm.open(g)
         except BaseException:
             self.close()
             raise
         self._lock = threading.Lock()
         self._enabled = True  # False inside no_sync()
-        self._dirty = False  # a synchronised backward produced gradients not yet waited for
+        self._dirty = False  # a synchronised backward produced gradients not yet reduced
+        self._queued = False  # the end-of-backward callback is queued
+        self._reduced = False  # the buckets were reduced and wait() has not been called
         self._next = 0  # the next bucket to start, in plan order
+        self._early = 0  # buckets started before the end of this backward
         self._used = [False] * len(self._params)  # got a gradient since the last sync
         self._order: list[int] | None = [] if learn_order else None  # the first ready order
         self._seen: set[int] = set()
@@ -180,11 +225,18 @@ class GradSync:
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_hook(self, i)))
 
+    def _axis_order(self, axes: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.mesh.axis_names.index(a) for a in axes)
+
     # -- the plan ------------------------------------------------------------------------
+
+    overlapped: int
+    """How many buckets of the last synchronised backward started before it ended (the
+    others started at its end): a measure of the overlap of communication with backward."""
 
     @property
     def buckets(self) -> list[BucketInfo]:
-        """The bucket plan in launch order: dtype, device, parameter names, size.
+        """The bucket plan in launch order: dtype, device, axes, parameter names, size.
 
         Before the first synchronised iteration it follows the reverse of the module's
         definition order (backward usually runs last layer first); after it, with
@@ -199,9 +251,9 @@ class GradSync:
         return self.active and self._learn and self._order is None
 
     def _build(self, order: list[int]) -> None:
-        plan = assign(order, self._params, self._cap, self._first_cap)
-        self._buckets = [Bucket(idx, self._params, self._names, self._grad_as_view)
-                         for idx in plan]
+        plan = assign(order, self._params, self._cap, self._first_cap, self._axes_of)
+        self._buckets = [Bucket(idx, self._params, self._names, self._grad_as_view,
+                                self._axes_of[idx[0]]) for idx in plan]
         self._where: dict[int, tuple[Bucket, int]] = {
             i: (b, j) for b in self._buckets for j, i in enumerate(b.index)}
 
@@ -210,13 +262,15 @@ class GradSync:
         seen, self._order = self._order, None
         rest = [i for b in self._buckets for i in b.index if i not in self._seen]
         mine = torch.tensor(seen + rest, dtype=torch.int64, device=self.mesh.device)
-        if self.group.size > 1:
-            mine = comm_of(self.mesh).broadcast(mine, 0, self.group, name=f"{self.name} plan")
+        g = self._plan_group  # one plan on every rank of the mesh
+        if g.size > 1:
+            mine = comm_of(self.mesh).broadcast(mine, 0, g, name=f"{self.name} plan")
         order = mine.tolist()
         if sorted(order) != list(range(len(self._params))):
-            raise SpecError(f"{self._what}: rank {self.group.ranks[0]} sent a bucket order "
+            raise SpecError(f"{self._what}: rank {g.ranks[0]} sent a bucket order "
                             f"for other parameters than this rank's")
-        if assign(order, self._params, self._cap, self._first_cap) == [b.index for b in self._buckets]:
+        if (assign(order, self._params, self._cap, self._first_cap, self._axes_of)
+                == [b.index for b in self._buckets]):
             return
         old = self._where
         self._build(order)
@@ -242,24 +296,31 @@ class GradSync:
                 f"{self._what}: parameter {self._names[i]!r} got a {p.grad.layout} gradient; "
                 f"only dense gradients are supported (e.g. nn.Embedding(sparse=False)), or "
                 f"leave it out with ignore=[{self._names[i]!r}] and reduce it yourself")
-        self._used[i] = True
         if not self._enabled:
-            if self._dirty:
+            if self._dirty or self._reduced:
                 raise RuntimeError(
-                    f"{self._what}: a backward ran under no_sync() while gradients of an "
-                    f"earlier synchronised backward are still being reduced; call "
-                    f"sync.wait() first")
+                    f"{self._what}: a backward ran under no_sync() after a synchronised "
+                    f"backward whose reduced gradients were not taken yet; call "
+                    f"sync.wait() (or step the attached optimizer) first")
+            self._used[i] = True
             if b.viewable[j] and p.grad is not b.views[j]:
                 # Accumulate the micro-batches in the bucket: no copy at the sync.
                 with torch.no_grad():
                     b.views[j].copy_(p.grad)
                 p.grad = b.views[j]
             return
-        if b.ready[j]:
+        if b.ready[j] or self._reduced:
             raise RuntimeError(
                 f"{self._what}: parameter {self._names[i]!r} got a gradient twice before "
                 f"sync.wait(); run one backward per iteration (sum the losses), wait() "
-                f"after it, and accumulate micro-batches under sync.no_sync()")
+                f"after it, and accumulate micro-batches under sync.no_sync(). (A reentrant "
+                f"backward, torch.utils.checkpoint(..., use_reentrant=True), does this "
+                f"too: use use_reentrant=False.)")
+        if not self._queued:
+            # Once per backward pass: its end starts what is left and waits for it all.
+            _at_backward_end(_finisher(self))
+            self._queued = True
+        self._used[i] = True
         self._dirty = True
         self._fill(b, j, p)
         b.ready[j] = True
@@ -267,10 +328,11 @@ class GradSync:
         if b.pending == 0:
             while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
                 self._launch(self._buckets[self._next])
+                self._early += 1
 
     def _fill(self, b: Bucket, j: int, p: torch.Tensor) -> None:
         """Put this rank's contribution for ``b.params[j]`` into the bucket, scaled."""
-        view, g, s = b.views[j], p.grad, self.scale
+        view, g, s = b.views[j], p.grad, self._scale[b.axes]
         with torch.no_grad():
             if g is None:
                 view.zero_()
@@ -298,33 +360,19 @@ class GradSync:
             else:
                 b.flags.copy_(torch.tensor(used, dtype=b.flags.dtype))
         with in_backward():
-            b.work = comm_of(self.mesh).all_reduce_async(b.buffer, "sum", self.group,
-                                                     name=self.name)
+            b.work = comm_of(self.mesh).all_reduce_async(b.buffer, "sum", self._groups[b.axes],
+                                                         name=self.name)
         self._next += 1
 
     # -- the sync --------------------------------------------------------------------------
 
-    def wait(self) -> None:
-        """Start every bucket not started yet (in plan order) and wait for all of them.
-
-        Afterwards every synchronised parameter that any rank used holds its reduced
-        gradient. A no-op when no gradient arrived since the last ``wait()``.
-
-        Raises:
-            CommTimeout: a rank did not arrive within the mesh's timeout (names it).
-        """
-        if not self.active:
-            if in_rank_of(self.mesh):
-                raise SpecError(
-                    f"{self._what} was built outside the rank threads of {self.mesh!r}, where "
-                    f"it does nothing; build it inside the per-rank function (spmd.launch), "
-                    f"one per rank, each rank with its own model")
-            return
-        if not self._dirty:
-            return
+    def _finish(self) -> None:
+        """Start every bucket not started yet (in plan order), wait for all of them and
+        hand the reduced gradients to the parameters: the end of a synchronised backward."""
+        t0 = time.perf_counter()
         while self._next < len(self._buckets):
             self._launch(self._buckets[self._next])
-        with torch.no_grad():
+        with torch.no_grad(), in_backward():
             for b in self._buckets:
                 b.work.wait()
                 local = [self._used[i] for i in b.index]
@@ -340,11 +388,43 @@ class GradSync:
                     else:
                         p.grad.copy_(view)
                 b.reset()
-        self._dirty = False
-        self._next = 0
-        self._used = [False] * len(self._params)
-        if self._order is not None:
-            self._rebuild()
+            self.overlapped, self._early = self._early, 0
+            self._finish_s = time.perf_counter() - t0
+            self._dirty, self._reduced = False, True
+            self._next = 0
+            self._used = [False] * len(self._params)
+            if self._order is not None:
+                self._rebuild()
+
+    def _at_end(self) -> None:
+        """The end-of-backward callback."""
+        with self._lock:
+            self._queued = False
+            if self._dirty:
+                self._finish()
+
+    def wait(self) -> None:
+        """End the iteration: afterwards every synchronised parameter that any rank used
+        holds its reduced gradient, and the next synchronised backward may run.
+
+        The reduction itself ran when ``backward()`` returned; ``wait()`` only finishes
+        it where that did not happen. A no-op when no gradient arrived since the last
+        ``wait()``.
+
+        Raises:
+            CommTimeout: a rank did not arrive within the mesh's timeout (names it).
+        """
+        if not self.active:
+            if in_rank_of(self.mesh):
+                raise SpecError(
+                    f"{self._what} was built outside the rank threads of {self.mesh!r}, where "
+                    f"it does nothing; build it inside the per-rank function (spmd.launch), "
+                    f"one per rank, each rank with its own model")
+            return
+        with self._lock:
+            if self._dirty:  # a backward whose end this GradSync did not see
+                self._finish()
+            self._reduced = False
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Make ``optimizer.step()`` call ``wait()`` first; returns the hook's handle."""
@@ -381,6 +461,7 @@ class GradSync:
         if self._dirty:
             raise RuntimeError(f"{self._what}: zero_grad() while gradients are being "
                                f"reduced; call wait() first")
+        self._reduced = False  # the reduced gradients are gone: a new iteration
         with torch.no_grad():
             for b in self._buckets:
                 b.grads.zero_()
@@ -426,6 +507,23 @@ class GradSync:
                 _owners[id(p)] = self
 
 
+def _at_backward_end(fn) -> None:
+    # torch's own DDP and FSDP finish their reductions this way: a callback queued on
+    # the autograd engine runs once the whole backward pass is done. torch has no public
+    # wrapper for it; the engine object is the one DDP uses.
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def _finisher(sync: GradSync):
+    ref = weakref.ref(sync)  # a queued callback must not keep a closed GradSync alive
+
+    def finish() -> None:
+        s = ref()
+        if s is not None:
+            s._at_end()
+    return finish
+
+
 def _hook(sync: GradSync, i: int):
     def hook(p: torch.Tensor) -> None:
         # Autograd runs the hooks of parameters on different devices on different
@@ -438,6 +536,56 @@ def _hook(sync: GradSync, i: int):
 def _remove(handles: list) -> None:
     for h in handles:
         h.remove()
+
+
+def _mean_scale(mesh: Mesh, ops: Mapping[str, str], axes: tuple[str, ...]) -> float | None:
+    """The factor that turns a sum over ``axes`` into the requested per-axis means."""
+    mean = math.prod(mesh.axis_size(a) for a in axes if ops[a] == "mean")
+    return 1.0 / mean if mean > 1 else None
+
+
+def _start_up(mesh: Mesh, rank: int, state: list[tuple[str, torch.Tensor]],
+              varying: Mapping[str, frozenset[str]], init: str | None, what: str) -> None:
+    """Every replica of every tensor equal (or checked), over every mesh axis it does not
+    vary over: first the names over the whole mesh (so every rank takes the same steps
+    below), then per set of replica axes, in mesh axis order."""
+    whole = mesh.group(mesh.axis_names, rank)
+    if whole.size == 1:
+        return
+    check_same_names(mesh, whole, [(n, sorted(varying.get(n, ()))) for n, _ in state], what)
+    by_axes: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
+    for n, t in state:
+        axes = tuple(a for a in mesh.axis_names if a not in varying.get(n, ()))
+        by_axes.setdefault(axes, []).append((n, t))
+    for axes in sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax]):
+        group = mesh.group(axes, rank) if axes else None
+        if group is None or group.size == 1:
+            continue
+        named = by_axes[axes]
+        check_same_tensors(mesh, group, named, what)
+        if init == "broadcast":
+            broadcast_from_first(mesh, group, [t for _, t in named], what)
+        elif init == "verify":
+            verify_equal(mesh, group, named, what)
+
+
+def _check_varying(varying: object, known: set[str], ignore: set[str], mesh: Mesh,
+                   what: str) -> dict[str, frozenset[str]]:
+    if varying is None:
+        return {}
+    if not isinstance(varying, Mapping):
+        raise TypeError(f"{what}: varying must be a {{name: axis or axes}} dict, got "
+                        f"{describe(varying)}")
+    out = {}
+    for n, axes in varying.items():
+        if n not in known:
+            raise SpecError(f"{what}: varying names {n!r}, which is not a parameter or "
+                            f"buffer of the module")
+        if n in ignore:
+            raise SpecError(f"{what}: {n!r} is both ignored and varying; ignore leaves it "
+                            f"alone entirely, varying only over the axes it names: pick one")
+        out[n] = frozenset(mesh.check_axes(axes, f"{what}: varying[{n!r}]"))
+    return out
 
 
 def _check_axes(axes: object, mesh: Mesh, what: str) -> dict[str, str]:

@@ -2,9 +2,11 @@
 
 Three steps, each a fixed number of collectives (none per tensor):
 
-1. ``check_same_tensors``: the ranks hold the same tensors (names, dtypes, shapes),
-   compared as int64 metadata, so that nothing later all-reduces buffers of different
-   sizes (gloo aborts the process on that). Always run.
+1. ``check_same_names`` over the whole mesh (so that every rank takes the same steps
+   next), then ``check_same_tensors`` over each group of replicas: the ranks hold the
+   same tensors (names, dtypes, shapes), compared as int64 metadata, so that nothing
+   later all-reduces buffers of different sizes (gloo aborts the process on that).
+   Always run.
 2. ``broadcast_from_first``: copy member 0's values everywhere, one broadcast per
    (dtype, device).
 3. ``verify_equal``: or compare instead, with one all_gather of a float64 checksum
@@ -22,7 +24,7 @@ from ..core._format import shape_str
 from ..core.errors import SpecError
 from ..core.mesh import Group, Mesh
 
-__all__ = ["check_same_tensors", "broadcast_from_first", "verify_equal"]
+__all__ = ["check_same_names", "check_same_tensors", "broadcast_from_first", "verify_equal"]
 
 _MAXDIM = 8
 
@@ -43,6 +45,34 @@ def _gather(mesh: Mesh, group: Group, vec: torch.Tensor, what: str) -> list[torc
 
 def _axes(group: Group) -> str:
     return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+
+
+def check_same_names(mesh: Mesh, group: Group, entries: Sequence[tuple[str, object]],
+                     what: str) -> None:
+    """Raise the same SpecError on every member unless all hold the same entries (a name
+    and what is declared of it), in the same order."""
+    crcs = [_crc(repr(e)) for e in entries]
+    dev = mesh.device
+    first = [v.tolist() for v in _gather(
+        mesh, group, torch.tensor([len(crcs), _crc(repr(crcs))], dtype=torch.int64, device=dev),
+        what)]
+    if all(v == first[0] for v in first):
+        return
+    if any(v[0] != first[0][0] for v in first):
+        counts = ", ".join(f"rank {r}: {v[0]}" for r, v in zip(group.ranks, first))
+        raise SpecError(f"{what}: the ranks of {_axes(group)} hold different numbers of "
+                        f"parameters and buffers ({counts}); every rank must build the same "
+                        f"model (and pass the same ignore=... and varying=...)")
+    got = [v.tolist() for v in _gather(mesh, group, torch.tensor(crcs, dtype=torch.int64,
+                                                                 device=dev), what)]
+    i = next(i for i in range(len(crcs)) if any(g[i] != got[0][i] for g in got))
+    k = next(k for k, g in enumerate(got) if g[i] != got[0][i])
+    name, decl = entries[i]
+    raise SpecError(f"{what}: the ranks of {_axes(group)} disagree about entry {i} of the "
+                    f"parameters and buffers (on rank {group.ranks[group.index]}: {name!r}, "
+                    f"varying over {decl}): rank {group.ranks[k]} differs from rank "
+                    f"{group.ranks[0]}; every rank must build the same model and pass the "
+                    f"same varying=...")
 
 
 def check_same_tensors(mesh: Mesh, group: Group, named: Sequence[tuple[str, torch.Tensor]],
@@ -78,8 +108,9 @@ def check_same_tensors(mesh: Mesh, group: Group, named: Sequence[tuple[str, torc
                 sb = "?" if b[2] > _MAXDIM else shape_str(b[3:3 + b[2]])
                 same_dtype = "same dtype" if a[1] == b[1] else "different dtypes"
                 detail = (f"parameter {name!r} has shape {sa} on rank {r0} but {sb} on rank "
-                          f"{rk} ({same_dtype}); a parameter sharded over a synchronised "
-                          f"axis is not replicated: leave it out with ignore=[{name!r}]")
+                          f"{rk} ({same_dtype}); a parameter sharded over a mesh axis is not "
+                          f"replicated there: declare it with varying={{{name!r}: axis}}, or "
+                          f"leave it out with ignore=[{name!r}]")
             else:
                 detail = f"parameter {name!r} differs between rank {r0} and rank {rk}"
             raise SpecError(f"{what}: the ranks of {_axes(group)} hold different tensors: "
@@ -123,6 +154,6 @@ def verify_equal(mesh: Mesh, group: Group, named: Sequence[tuple[str, torch.Tens
                     f"{what}: parameter {name!r} ({shape_str(t.shape, t.dtype)}) differs "
                     f"between rank {group.ranks[0]} and rank {group.ranks[k]} of "
                     f"{_axes(group)} (checksums {int(got[0][i]):#010x} and {int(g[i]):#010x}); "
-                    f"parameters must be replicated over the synchronised axes: build them "
-                    f"from the same seed, use init='broadcast', or leave a sharded "
-                    f"parameter out with ignore=[{name!r}]")
+                    f"parameters must be replicated over every mesh axis they do not vary "
+                    f"over: build them from the same seed, use init='broadcast', or declare "
+                    f"one that differs over an axis with varying={{{name!r}: axis}}")

@@ -157,8 +157,8 @@ def _optimizer(name, params):
 
 def train(mesh, model, x, y, kind, axes, opt, steps, cfg=None):
     """Per-rank: ``steps`` optimizer steps with GradSync; returns the parameters, the
-    bucket plans (dtype, names) before and after the first step, and whether the first
-    bucket had started before backward returned, in the last step (overlap)."""
+    bucket plans (dtype, names) before and after the first step, and whether a bucket
+    had started before the end of backward, in the last step (overlap)."""
     cfg = dict(cfg or {})
     micro = cfg.pop("micro", 1)
     zero = cfg.pop("zero", "optimizer")
@@ -181,7 +181,7 @@ def train(mesh, model, x, y, kind, axes, opt, steps, cfg=None):
                       batch=b, sizes=sizes)).backward()
         loss(model, kind, _micro(xs, micro, micro - 1), _micro(ys, micro, micro - 1),
              mesh=mesh, batch=b, sizes=sizes).backward()
-        started = sync._buckets[0].work is not None
+        started = sync.overlapped > 0
         o.step()
         if len(plans) == 1:
             plans.append([(str(b.dtype), b.names) for b in sync.buckets])
@@ -288,3 +288,163 @@ def startup(mesh, init, seed_by_rank, shape_by_rank=False):
     except spmd.SpecError as e:
         return str(e)
     return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+
+# -- parameters used on some ranks, in some iterations, around other collectives ------------
+
+class Heads(nn.Module):
+    """A trunk every rank uses and ``k`` heads each used by a schedule of (iteration,
+    dp index); defined trunk first, so the first plan (reverse definition order) puts the
+    heads' buckets first: the ones a rank that uses no head cannot start early."""
+
+    def __init__(self, k: int = 2):
+        super().__init__()
+        self.trunk = nn.Linear(3, 4).double()
+        self.heads = nn.ModuleList([nn.Linear(4, 1).double() for _ in range(k)])
+
+
+def heads_loss(model, xs, used, *, stat=None):
+    """One dp rank's loss: a trunk, the heads in ``used``; with ``stat`` (a function that
+    sums over the data-parallel ranks: ``spmd.psum`` per rank, the identity on one
+    device), a batch statistic whose backward is a collective over the same ranks."""
+    h = torch.tanh(model.trunk(xs))
+    out = (h ** 2).sum()
+    if stat is not None:
+        s = stat(h.sum(0))  # the psum'd batch statistic: psum's backward is a psum
+        out = out + (h * s).sum() / 10
+    for k in used:
+        out = out + model.heads[k](h).pow(2).sum()
+    return out / xs.shape[0]
+
+
+def heads_train(mesh, model, x, schedule, psum_in_backward, cfg, steps=3):
+    """Per-rank: the "ordinary loop" (backward, log the global loss with ``spmd.pmean``,
+    ``optimizer.step()``) with GradSync over "dp" (mean) attached to SGD.
+    ``schedule(it, dp)`` is the set of heads the dp rank uses in iteration ``it``.
+    The batch is split over "dp" and the same on every rank of the other axes.
+    Returns the logged losses, the parameters and the overlap of each iteration."""
+    model = copy.deepcopy(model)
+    sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, **cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync.attach(opt)
+    dp = mesh.axis_index("dp")
+    xs = x.chunk(mesh.axis_size("dp"))[dp]
+    stat = (lambda t: spmd.psum(t, "dp")) if psum_in_backward else None
+    logged, overlap = [], []
+    for it in range(steps):
+        opt.zero_grad()
+        loss = heads_loss(model, xs, schedule(it, dp), stat=stat)
+        loss.backward()
+        logged.append(spmd.pmean(loss.detach(), "dp").item())
+        overlap.append(sync.overlapped)
+        opt.step()
+    return logged, [p.detach().clone() for p in model.parameters()], overlap
+
+
+def heads_single(model, x, world, schedule, psum_in_backward, steps=3):
+    """The same training on one device: the mean of the dp ranks' losses."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    parts = x.chunk(world)
+    logged = []
+    for it in range(steps):
+        opt.zero_grad()
+        stat = None
+        if psum_in_backward:
+            total = sum(torch.tanh(model.trunk(xs)).sum(0) for xs in parts)
+            stat = lambda t, total=total: total  # noqa: E731 - every rank sees the sum
+        loss = sum(heads_loss(model, xs, schedule(it, r), stat=stat)
+                   for r, xs in enumerate(parts)) / world
+        loss.backward()
+        logged.append(loss.item())
+        opt.step()
+    return logged, [p.detach().clone() for p in model.parameters()]
+
+
+def check_heads(got, want, tol):
+    logged, params = want
+    for r, (lg, ps, _) in enumerate(got):
+        torch.testing.assert_close(torch.tensor(lg), torch.tensor(logged), **tol,
+                                   msg=f"logged losses on rank {r}")
+        for i, (p, q) in enumerate(zip(ps, params)):
+            torch.testing.assert_close(p, q, **tol, msg=f"parameter {i}, rank {r}")
+            assert torch.equal(p, got[0][1][i]), f"parameter {i} differs on rank {r}"
+
+
+def only_dp0(it, dp):
+    """Head 0 on the first dp rank only, every iteration; head 1 on no rank."""
+    return [0] if dp == 0 else []
+
+
+def shifting(it, dp):
+    """No head in the first (order-learning) iteration; then head 0 on dp rank 0 and
+    head 1 on the last dp rank, swapping every iteration."""
+    if it == 0:
+        return []
+    return [(it + dp) % 2] if dp in (0, 1) else []
+
+
+# -- a parameter that varies over the domain axis ---------------------------------------------
+
+class Field(nn.Module):
+    """A replicated layer and a per-point bias ``pos`` of shape (points, 3), split over
+    "sp" in the per-rank program (each rank holds its points' rows)."""
+
+    def __init__(self, points: int):
+        super().__init__()
+        self.lin = nn.Linear(6, 3).double()
+        self.pos = nn.Parameter(torch.randn(points, 3, dtype=F64))
+
+
+def field_loss(model, x, y, batch, points):
+    return ((model.lin(x) + model.pos - y) ** 2).sum() / (batch * points * 3)
+
+
+def field_train(mesh, model, x, y, init_seed, steps=2):
+    """Per-rank on ("dp", "sp"): ``lin`` built from a per-rank seed (init="broadcast"
+    must make it rank 0's), ``pos`` holding this sp rank's rows of the global field
+    (varying over "sp"); GradSync {"dp": "mean", "sp": "sum"}; SGD steps."""
+    model = copy.deepcopy(model)
+    lay = spmd.Layout(model.pos.shape, P("sp"), mesh)
+    with _rng_lock:
+        torch.manual_seed(init_seed + mesh.rank)
+        model.lin = nn.Linear(6, 3).double()
+    model.pos = nn.Parameter(lay.shard(model.pos.detach(), mesh.rank).clone())
+    sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean", "sp": "sum"},
+                                  varying={"pos": "sp"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync.attach(opt)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    xl = spmd.Layout(x.shape, P("dp", "sp"), mesh).shard(x, mesh.rank)
+    yl = spmd.Layout(y.shape, P("dp", "sp"), mesh).shard(y, mesh.rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        field_loss(model, xl, yl, xl.shape[0], x.shape[1]).backward()
+        opt.step()
+    return start, {n: p.detach().clone() for n, p in model.named_parameters()}, sync.buckets
+
+
+def field_single(model, lin, x, y, steps=2):
+    model = copy.deepcopy(model)
+    model.lin = copy.deepcopy(lin)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        field_loss(model, x, y, x.shape[0], x.shape[1]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# -- start-up over the whole mesh ---------------------------------------------------------------
+
+def startup_2d(mesh, init, by):
+    """Per-rank on ("dp", "sp"): weights from a seed that differs over ``by`` ("sp" or
+    "dp"); GradSync over "dp" only. Returns the weights after construction, or the error."""
+    with _rng_lock:
+        torch.manual_seed(mesh.axis_index(by))
+        model = nn.Linear(3, 2)
+    try:
+        spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, init=init)
+    except spmd.SpecError as e:
+        return str(e)
+    return [p.detach().clone() for p in model.parameters()]

@@ -17,12 +17,23 @@ import torch
 from _parallel_cases import (
     CNN,
     MLP,
+    Field,
+    Heads,
     Partly,
+    check_heads,
     check_train,
     check_unused,
+    field_single,
+    field_train,
+    heads_loss,
+    heads_single,
+    heads_train,
     loss,
     make,
+    only_dp0,
+    shifting,
     startup,
+    startup_2d,
     train,
     train_single,
     unused,
@@ -222,7 +233,7 @@ def test_reverse_defined_model_plan_follows_execution_order():
         # autograd's order: a layer's bias then its weight, last layer first
         assert learned == ["l2.bias", "l2.weight", "l1.bias", "l1.weight", "l0.bias",
                            "l0.weight"], after
-        assert started  # the first bucket was in flight before backward returned
+        assert started  # a bucket was in flight before the end of backward
     want = train_single(model, x, y, "mlp_reverse", "sgd", 2)
     check_train(got, want, TOL)
 
@@ -253,7 +264,8 @@ def test_plan_is_inspectable_and_learning_can_be_switched_off():
         assert isinstance(after[0], spmd.parallel.BucketInfo)
         assert after[0].dtype == torch.float64 and after[0].device == torch.device("cpu")
         assert after[0].nbytes == 8 * after[0].numel
-        assert repr(after[0]).startswith("Bucket(f64 on cpu, ")
+        assert repr(after[0]).startswith("Bucket(f64 on cpu over dp, ")
+        assert after[0].axes == ("dp",)
         assert "6 parameters in" in text and "rank 0" in text
     # the caps: the first bucket closes at first_bucket_cap_mb, the others at bucket_cap_mb
     sizes = [b.nbytes for b in after]
@@ -360,7 +372,7 @@ def _misuse(mesh):
     out.append((sync._closed, sync2._closed))
     model.zero_grad()
     model(torch.ones(1, 2)).sum().backward()
-    out.append((sync._dirty, sync2._dirty))  # only the second one's hooks fired
+    out.append((sync._reduced, sync2._reduced))  # only the second one's hooks fired
     sync2.wait()
     return out
 
@@ -368,7 +380,7 @@ def _misuse(mesh):
 def test_misuse_is_reported():
     out = spmd.launch(_misuse, (2,), "dp", timeout=20)[0]
     assert "parameter 'bias' got a gradient twice before sync.wait()" in out[0]
-    assert "a backward ran under no_sync() while gradients" in out[1]
+    assert "a backward ran under no_sync() after a synchronised backward whose reduced" in out[1]
     assert out[2] == (True, False) and out[3] == (False, True)
 
 
@@ -415,7 +427,7 @@ def test_init_verify_names_the_first_differing_parameter_on_every_rank():
     for msg in got:
         assert msg.startswith("GradSync: parameter '0.weight' (f32[4, 3]) differs between "
                               "rank 0 and rank 1 of axis 'dp' (checksums "), msg
-        assert "init='broadcast'" in msg and "ignore=['0.weight']" in msg
+        assert "init='broadcast'" in msg and "varying={'0.weight': axis}" in msg
     assert got[0] == got[1]
     same = spmd.launch(startup, (2,), "dp", args=("verify", False))
     assert all(isinstance(t, list) for t in same)
@@ -425,7 +437,7 @@ def test_different_shapes_are_refused_before_any_data_moves():
     got = spmd.launch(startup, (2,), "dp", args=("broadcast", False, True))
     for msg in got:
         assert "parameter '0.weight' has shape [4, 3] on rank 0 but [5, 3] on rank 1" in msg
-        assert "ignore=['0.weight']" in msg
+        assert "varying={'0.weight': axis}" in msg and "ignore=['0.weight']" in msg
 
 
 def _bad_args(mesh):
@@ -441,6 +453,11 @@ def _bad_args(mesh):
         "cap": lambda: G(m, mesh, "dp", bucket_cap_mb=0),
         "init": lambda: G(m, mesh, "dp", init="copy"),
         "ignore": lambda: G(m, mesh, "dp", ignore=["nope"]),
+        "varying_type": lambda: G(m, mesh, "dp", varying=["weight"]),
+        "varying_name": lambda: G(m, mesh, "dp", varying={"nope": "dp"}),
+        "varying_axis": lambda: G(m, mesh, "dp", varying={"weight": "sp"}),
+        "varying_ignored": lambda: G(m, mesh, "dp", ignore=["bias"], varying={"bias": "dp"}),
+        "first_cap": lambda: G(m, mesh, "dp", first_bucket_cap_mb=-1),
     }
     out = {}
     for k, f in calls.items():
@@ -466,6 +483,15 @@ def test_bad_arguments_raise_clear_errors():
     assert out["init"][0] == "ValueError" and "'broadcast', 'verify', None" in out["init"][1]
     assert out["ignore"] == ("SpecError", "GradSync: ignore names ['nope'], which are not "
                              "parameters or buffers of the module")
+    assert out["varying_type"] == ("TypeError", "GradSync: varying must be a {name: axis or "
+                                   "axes} dict, got list")
+    assert out["varying_name"] == ("SpecError", "GradSync: varying names 'nope', which is not "
+                                   "a parameter or buffer of the module")
+    assert out["varying_axis"] == ("SpecError", "GradSync: varying['weight']: 'sp' is not an "
+                                   "axis of Mesh(dp=2, backend='threads'); its axes are ['dp']")
+    assert out["varying_ignored"][0] == "SpecError" and "both ignored and varying" in \
+        out["varying_ignored"][1]
+    assert out["first_cap"][0] == "ValueError" and "first_bucket_cap_mb" in out["first_cap"][1]
 
 
 # =========================================================================================
@@ -537,3 +563,159 @@ def test_grad_sync_with_converted_spmd_nn_layers_on_a_dp_sp_mesh():
     for rank_params in got:
         for a, b in zip(rank_params, plain.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-10)
+
+
+# =========================================================================================
+# Collectives around the buckets: every rank meets the same ones (issue: a rank-local
+# unused parameter desynchronised them)
+# =========================================================================================
+
+TINY = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5)  # a bucket per parameter
+
+
+def test_logging_loop_with_a_parameter_used_on_rank_0_only():
+    """backward, log the global loss with pmean, step: the head's bucket is started on
+    rank 0 in backward but not on rank 1, and pmean must not meet it. Logged losses and
+    parameters after 3 SGD steps equal one device."""
+    torch.manual_seed(20)
+    model, x = Heads(), torch.randn(6, 3, dtype=torch.float64)
+    got = spmd.launch(heads_train, (2,), "dp", args=(model, x, only_dp0, False, TINY),
+                      timeout=20)
+    check_heads(got, heads_single(model, x, 2, only_dp0, False), TOL)
+    # After the first iteration the plan starts with rank 0's head: rank 0 starts
+    # buckets early in backward (overlap kept), rank 1 at its end.
+    assert got[0][2][-1] > 0 and got[1][2][-1] == 0
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("dp",)), ((2, 2), ("dp", "sp"))])
+@pytest.mark.parametrize("schedule", [only_dp0, shifting], ids=["dp0-only", "shifting"])
+def test_psum_inside_backward_and_rank_local_unused_parameters(shape, names, schedule):
+    """The backward holds a psum over the synchronised axis (a batch statistic) while a
+    head is used on some dp ranks only; small buckets. ``shifting`` also leaves every
+    head out of the first (order-learning) iteration and swaps them between ranks."""
+    torch.manual_seed(21)
+    model, x = Heads(), torch.randn(6, 3, dtype=torch.float64)
+    got = spmd.launch(heads_train, shape, names, args=(model, x, schedule, True, TINY),
+                      timeout=20)
+    check_heads(got, heads_single(model, x, 2, schedule, True), TOL)
+
+
+def _pending_after_backward(mesh):
+    torch.manual_seed(0)
+    model = Heads()
+    sync = spmd.parallel.GradSync(model, mesh, "dp", **TINY)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with sync.no_sync():
+        heads_loss(model, x, [0]).backward()
+        inside = [b.work for b in sync._buckets]
+    heads_loss(model, x, [0] if mesh.rank == 0 else []).backward()
+    after = [b.work for b in sync._buckets], sync._next, sync._dirty
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    sync.wait()
+    return inside, after, grads
+
+
+def test_nothing_is_pending_after_backward_returns():
+    """Outside no_sync, backward() returns with every bucket started and waited for (and
+    the gradients reduced); inside no_sync nothing starts."""
+    got = spmd.launch(_pending_after_backward, (2,), "dp", timeout=20)
+    for inside, (works, nxt, dirty), grads in got:
+        assert inside == [None] * len(inside)
+        assert works == [None] * len(works) and nxt == 0 and not dirty
+        for g, h in zip(grads, got[0][2]):
+            assert (g is None) == (h is None) and (g is None or torch.equal(g, h))
+
+
+def test_startup_covers_every_mesh_axis():
+    """(dp, sp) = (2, 2), GradSync over "dp" only: weights that differ over "sp" are made
+    equal on all four ranks (broadcast), or named in an error on every rank (verify)."""
+    for by in ("sp", "dp"):
+        got = spmd.launch(startup_2d, (2, 2), ("dp", "sp"), args=("broadcast", by))
+        torch.manual_seed(0)
+        want = [p.detach() for p in nn.Linear(3, 2).parameters()]
+        for ps in got:
+            for p, w in zip(ps, want):
+                assert torch.equal(p, w)
+        msgs = spmd.launch(startup_2d, (2, 2), ("dp", "sp"), args=("verify", by))
+        assert len(set(msgs)) == 1, msgs
+        assert msgs[0].startswith("GradSync: parameter 'weight' (f32[2, 3]) differs between "
+                                  "rank 0 and rank "), msgs[0]
+        assert "of axes ('dp', 'sp')" in msgs[0]
+
+
+def test_a_parameter_varying_over_the_domain_axis():
+    """A per-point field split over "sp" (uneven: 5 points as [3, 2]) is declared varying
+    over "sp": start-up leaves each sp rank its rows (and broadcasts the replicated layer
+    from rank 0), its gradient is reduced over "dp" only, and training equals one device
+    on the global field."""
+    torch.manual_seed(22)
+    model = Field(points=5)
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    y = torch.randn(4, 5, 3, dtype=torch.float64)
+    got = spmd.launch(field_train, (2, 2), ("dp", "sp"), args=(model, x, y, 100))
+    torch.manual_seed(100)
+    lin = nn.Linear(6, 3).double()
+    want = field_single(model, lin, x, y)
+    rows = [slice(0, 3), slice(3, 5)]
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    for r, (start, end, buckets) in enumerate(got):
+        sp = mesh.coords(r)[1]
+        assert torch.equal(start["lin.weight"], lin.weight.detach())
+        assert torch.equal(start["pos"], model.pos.detach()[rows[sp]])
+        torch.testing.assert_close(end["lin.weight"], want["lin.weight"], **TOL)
+        torch.testing.assert_close(end["pos"], want["pos"][rows[sp]], **TOL)
+        over = {n: b.axes for b in buckets for n in b.names}
+        assert over == {"pos": ("dp",), "lin.weight": ("dp", "sp"), "lin.bias": ("dp", "sp")}
+
+
+def _plan(mesh, sizes, cfg):
+    model = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
+    return [(b.nbytes, [model[int(n)].numel() * 4 for n in b.names])
+            for b in spmd.parallel.GradSync(model, mesh, "dp", **cfg).buckets]
+
+
+def test_bucket_cap_alone_bounds_the_first_bucket_too():
+    """With only bucket_cap_mb set, no bucket holds more than the cap plus its last
+    parameter (the first included, as torch DDP since 2.x); the default first cap is
+    1 MiB, and first_bucket_cap_mb, given, wins."""
+    sizes = [3000, 70_000, 20_000, 300, 90_000, 5, 40_000] * 3  # float32 elements
+    cap = 0.25  # MiB
+    for nbytes, members in spmd.launch(_plan, (1,), "dp", args=(sizes, dict(bucket_cap_mb=cap)))[0]:
+        assert nbytes - members[-1] < cap * 2**20, (nbytes, members)
+    default = spmd.launch(_plan, (1,), "dp", args=(sizes, {}))[0]
+    assert default[0][0] >= 2**20 and default[0][0] - default[0][1][-1] < 2**20
+    first = spmd.launch(_plan, (1,), "dp", args=(sizes, dict(bucket_cap_mb=cap,
+                                                             first_bucket_cap_mb=1.0)))[0]
+    assert first[0][0] >= 2**20 > first[0][0] - first[0][1][-1]
+    assert all(n - m[-1] < cap * 2**20 for n, m in first[1:])
+
+
+def _reentrant(mesh, first_checkpointed):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    sync = spmd.parallel.GradSync(model, mesh, "dp", **TINY)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    try:
+        if first_checkpointed:  # the last layer's gradients come from a reentrant backward
+            h = model[1](model[0](x))
+            out = torch.utils.checkpoint.checkpoint(model[2], h, use_reentrant=True)
+        else:  # the first layer's: the outer backward has already begun the iteration
+            h = torch.utils.checkpoint.checkpoint(lambda t: model[1](model[0](t)),
+                                                  x.requires_grad_(), use_reentrant=True)
+            out = model[2](h)
+        out.sum().backward()
+        sync.wait()
+    except RuntimeError as e:
+        return str(e)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_reentrant_checkpoint_gradients_are_reduced_or_refused_clearly():
+    """A reentrant backward (use_reentrant=True) whose parameter gradients come after the
+    outer pass began is handled; one that produces the first gradients of the pass ends
+    it early, and the next gradient is refused with the fix in the message."""
+    ok = spmd.launch(_reentrant, (2,), "dp", args=(False,), timeout=20)
+    for g, h in zip(ok[0], ok[1]):
+        assert torch.equal(g, h)
+    msgs = spmd.launch(_reentrant, (2,), "dp", args=(True,), timeout=20)
+    assert all("use use_reentrant=False" in m for m in msgs), msgs

@@ -12,15 +12,26 @@ import time
 import pytest
 import torch
 from _parallel_cases import (
+    Field,
+    Heads,
     Partly,
+    check_heads,
     check_train,
     check_unused,
+    field_single,
+    field_train,
+    heads_single,
+    heads_train,
     make,
+    only_dp0,
+    shifting,
     startup,
+    startup_2d,
     train,
     train_single,
     unused,
 )
+from torch import nn
 
 import spmd
 from spmd.comm import comm_of
@@ -172,3 +183,47 @@ def test_startup_world2(gloo2):
     assert msgs[0] == msgs[1] and "parameter '0.weight' (f32[4, 3]) differs" in msgs[0]
     msgs = gloo2.run(startup, (2,), "dp", args=("verify", False, True))
     assert msgs[0] == msgs[1] and "has shape [4, 3] on rank 0 but [5, 3] on rank 1" in msgs[0]
+
+
+# -- collectives around the buckets, start-up over the whole mesh, varying parameters ---------
+
+TINY = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5)
+
+
+def test_logging_loop_with_a_rank_0_only_parameter_world2(gloo2):
+    """The ordinary loop (backward, pmean of the loss, step) with a head used on rank 0
+    only hung until the timeout; now it equals one device (and finishes at once)."""
+    torch.manual_seed(20)
+    model, x = Heads(), torch.randn(6, 3, dtype=torch.float64)
+    got = gloo2.run(heads_train, (2,), "dp", args=(model, x, only_dp0, False, TINY), timeout=30)
+    check_heads(got, heads_single(model, x, 2, only_dp0, False), TOL)
+
+
+def test_psum_inside_backward_and_shifting_unused_heads_2x2(gloo4):
+    """A psum over "dp" inside backward, heads used by some dp ranks only (none in the
+    first iteration), GradSync's buckets on their own process groups: equals one device."""
+    torch.manual_seed(21)
+    model, x = Heads(), torch.randn(6, 3, dtype=torch.float64)
+    got = gloo4.run(heads_train, (2, 2), ("dp", "sp"), args=(model, x, shifting, True, TINY),
+                    timeout=30)
+    check_heads(got, heads_single(model, x, 2, shifting, True), TOL)
+
+
+def test_startup_over_the_whole_mesh_and_a_varying_field_2x2(gloo4):
+    got = gloo4.run(startup_2d, (2, 2), ("dp", "sp"), args=("broadcast", "sp"))
+    torch.manual_seed(0)
+    want = [p.detach() for p in nn.Linear(3, 2).parameters()]
+    for ps in got:
+        for p, w in zip(ps, want):
+            assert torch.equal(p, w)
+    torch.manual_seed(22)
+    model = Field(points=5)
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    y = torch.randn(4, 5, 3, dtype=torch.float64)
+    got = gloo4.run(field_train, (2, 2), ("dp", "sp"), args=(model, x, y, 100))
+    torch.manual_seed(100)
+    want = field_single(model, nn.Linear(6, 3).double(), x, y)
+    for r, (_, end, _) in enumerate(got):
+        rows = slice(0, 3) if r % 2 == 0 else slice(3, 5)
+        torch.testing.assert_close(end["lin.weight"], want["lin.weight"], **TOL)
+        torch.testing.assert_close(end["pos"], want["pos"][rows], **TOL)
