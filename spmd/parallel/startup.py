@@ -47,24 +47,30 @@ def _axes(group: Group) -> str:
     return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
 
 
-def check_same_names(mesh: Mesh, group: Group, entries: Sequence[tuple[str, object]],
-                     what: str) -> None:
-    """Raise the same SpecError on every member unless all hold the same entries (a name
-    and what is declared of it), in the same order."""
-    crcs = [_crc(repr(e)) for e in entries]
-    dev = mesh.device
+def _same_signature(mesh: Mesh, group: Group, count: int, sig: int, what: str) -> bool:
+    """One small all_gather of (count, signature): whether every member has the same;
+    the same SpecError on every member where the counts differ."""
     first = [v.tolist() for v in _gather(
-        mesh, group, torch.tensor([len(crcs), _crc(repr(crcs))], dtype=torch.int64, device=dev),
-        what)]
+        mesh, group, torch.tensor([count, sig], dtype=torch.int64, device=mesh.device), what)]
     if all(v == first[0] for v in first):
-        return
+        return True
     if any(v[0] != first[0][0] for v in first):
         counts = ", ".join(f"rank {r}: {v[0]}" for r, v in zip(group.ranks, first))
         raise SpecError(f"{what}: the ranks of {_axes(group)} hold different numbers of "
                         f"parameters and buffers ({counts}); every rank must build the same "
                         f"model (and pass the same ignore=... and varying=...)")
+    return False
+
+
+def check_same_names(mesh: Mesh, group: Group, entries: Sequence[tuple[str, object]],
+                     what: str) -> None:
+    """Raise the same SpecError on every member unless all hold the same entries (a name
+    and what is declared of it), in the same order."""
+    crcs = [_crc(repr(e)) for e in entries]
+    if _same_signature(mesh, group, len(crcs), _crc(repr(crcs)), what):
+        return
     got = [v.tolist() for v in _gather(mesh, group, torch.tensor(crcs, dtype=torch.int64,
-                                                                 device=dev), what)]
+                                                                 device=mesh.device), what)]
     i = next(i for i in range(len(crcs)) if any(g[i] != got[0][i] for g in got))
     k = next(k for k, g in enumerate(got) if g[i] != got[0][i])
     name, decl = entries[i]
@@ -80,19 +86,9 @@ def check_same_tensors(mesh: Mesh, group: Group, named: Sequence[tuple[str, torc
     """Raise the same SpecError on every member unless all hold the same names, dtypes
     and shapes, in the same order."""
     rows = [_row(n, t) for n, t in named]
-    sig = _crc(repr(rows))
-    dev = mesh.device
-    first = _gather(mesh, group, torch.tensor([len(rows), sig], dtype=torch.int64, device=dev),
-                    what)
-    first = [v.tolist() for v in first]
-    if all(v == first[0] for v in first):
+    if _same_signature(mesh, group, len(rows), _crc(repr(rows)), what):
         return
-    if any(v[0] != first[0][0] for v in first):
-        counts = ", ".join(f"rank {r}: {v[0]}" for r, v in zip(group.ranks, first))
-        raise SpecError(f"{what}: the ranks of {_axes(group)} hold different numbers of "
-                        f"parameters and buffers ({counts}); every rank must build the same "
-                        f"model (or pass the same ignore=...)")
-    mine = torch.tensor(rows, dtype=torch.int64, device=dev).view(-1)
+    mine = torch.tensor(rows, dtype=torch.int64, device=mesh.device).view(-1)
     got = [v.view(len(rows), -1).tolist() for v in _gather(mesh, group, mine, what)]
     for i, (name, _) in enumerate(named):
         for k, g in enumerate(got[1:], 1):

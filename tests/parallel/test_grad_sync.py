@@ -719,3 +719,27 @@ def test_reentrant_checkpoint_gradients_are_reduced_or_refused_clearly():
         assert torch.equal(g, h)
     msgs = spmd.launch(_reentrant, (2,), "dp", args=(True,), timeout=20)
     assert all("use use_reentrant=False" in m for m in msgs), msgs
+
+
+def _different_models(mesh, how):
+    if how == "count" and mesh.rank == 1:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    elif how == "names" and mesh.rank == 1:
+        model = nn.ModuleDict({"b": nn.Linear(2, 2)})
+    else:
+        model = nn.ModuleDict({"a": nn.Linear(2, 2)})
+    try:
+        spmd.parallel.GradSync(model, mesh, "dp")
+    except spmd.SpecError as e:
+        return str(e)
+
+
+def test_ranks_with_different_models_get_the_same_error():
+    msgs = spmd.launch(_different_models, (2,), "dp", args=("count",))
+    assert msgs[0] == msgs[1] and msgs[0] == (
+        "GradSync: the ranks of axis 'dp' hold different numbers of parameters and buffers "
+        "(rank 0: 2, rank 1: 4); every rank must build the same model (and pass the same "
+        "ignore=... and varying=...)")
+    msgs = spmd.launch(_different_models, (2,), "dp", args=("names",))
+    assert "disagree about entry 0 of the parameters and buffers" in msgs[0]
+    assert "rank 1 differs from rank 0" in msgs[0] and "rank 1 differs from rank 0" in msgs[1]
