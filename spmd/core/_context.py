@@ -52,8 +52,33 @@ def _torch_rank() -> int:
     return dist.get_rank()
 
 
+def converting() -> bool | str:
+    """Whether this thread runs the forward of a model made by ``spmd.nn.convert``
+    (``"plan"``: its plan, on meta tensors, inside a layer convert does not look into)."""
+    return getattr(_local, "converting", False)
+
+
+def set_converting(flag: bool | str) -> bool | str:
+    """Set ``converting()`` (the layout interpreter does, around a converted forward);
+    returns the previous value."""
+    prev = getattr(_local, "converting", False)
+    _local.converting = flag
+    return prev
+
+
 def current(what: str = "this call") -> RankContext:
     """The innermost (mesh, rank); raises a clear error outside any rank context."""
+    flag = getattr(_local, "converting", False)
+    if flag:
+        # convert follows the torch calls of the forward; an spmd function inside it
+        # moves data convert cannot see (a psum of a value convert already reduced).
+        err = SpecError(
+            f"convert: {what} is called inside the forward of a model made by "
+            f"spmd.nn.convert, which follows torch calls only; call spmd functions outside "
+            f"the converted model (in the shard_map body around it), or leave the layer "
+            f"that calls them out with allow=(ThatLayer,)")
+        err.plan_stop = flag == "plan"  # a plan reached a layer it does not look into
+        raise err
     s = _stack()
     if not s:
         raise SpecError(
