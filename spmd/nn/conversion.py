@@ -1,22 +1,31 @@
-"""``spmd.nn.convert``: a copy of a model with its layers swapped for their sharded twins."""
+"""``spmd.nn.convert``: a copy of a model whose forward runs on shards, exactly, or refuses.
+
+The copy keeps every layer, parameter and ``state_dict`` key; what changes is how its
+forward runs: under the layout interpreter (``interpreter.py``), which follows which dims
+of every tensor are split and, call by call, passes what acts per position, swaps what
+has a domain-parallel twin (convolutions, pools, interpolation, padding, reductions and
+losses over split dims) and refuses what would be wrong on shards, naming the layer, the
+source line, the split dim and the fix.
+"""
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
-from ..core.errors import SpecError
 from ..core.mesh import Mesh
-from ..core.spec import as_spec
-from .modules import SHARDED
+from ..core.spec import P, as_spec
+from . import entry, interpreter
+from .modules import _Sharded
 
 __all__ = ["convert", "UNSAFE"]
 
-#: Layers that mix values across positions in ways the sharded model would get wrong
-#: (statistics over the split dims, flattening, attention): ``convert`` refuses them
-#: unless listed in ``allow`` (e.g. a norm whose statistics do not span split dims).
+#: Layers whose forward mixes values across positions (statistics, flattening,
+#: attention). ``convert`` does not refuse them by type: it checks each call they make,
+#: so a norm whose statistics span no split dim passes and one that spans one is refused.
 UNSAFE: tuple[type[nn.Module], ...] = (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm,
     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm,
@@ -26,62 +35,138 @@ UNSAFE: tuple[type[nn.Module], ...] = (
 )
 
 
-def convert(model: nn.Module, mesh: Mesh, spec: Any, *,
+def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             types: Mapping[type[nn.Module], type] | None = None,
-            allow: Iterable[type[nn.Module]] = ()) -> nn.Module:
-    """A deep copy of ``model`` in which every layer with a sharded twin in ``spmd.nn``
-    (convolutions, transposed convolutions, pools, upsampling, padding layers) is that
-    twin, for activations of spec ``spec`` on ``mesh``.
+            allow: Iterable[Any] = (), report: bool = False) -> nn.Module:
+    """A copy of ``model`` whose forward, given this rank's shards of inputs laid out by
+    ``spec``, computes this rank's shards of what ``model`` computes on the whole inputs:
+    exactly, or it raises a ``SpecError`` on every rank before anything runs.
 
-    Parameters, buffers and ``state_dict`` keys are unchanged, so checkpoints load both
-    ways; ``model`` itself is not modified. Pointwise layers (activations, dropout)
-    need no twin. Run the result inside ``spmd.shard_map`` (or per-rank code).
+    The forward is followed call by call (``torch.nn`` layers, ``torch.nn.functional``
+    calls, tensor methods, in any control flow), each tensor with the dims that are split:
+
+    - calls that act per position, or only along whole dims, run unchanged;
+    - convolutions, transposed convolutions, pools (LPPool too), interpolation and
+      padding along split dims run their ``spmd.ops`` twin (halo exchange);
+      ``sum``/``mean``/``amax``/``amin`` over split dims run ``spmd.reduce``; the common
+      losses (MSE, L1, Huber, BCE, cross-entropy, NLL, KL) run per position, then
+      ``spmd.reduce``;
+    - calls that mix positions along a split dim with no twin (norm statistics, softmax,
+      ``torch.roll``, slicing or ``cat`` along it, ``flatten`` of it, a matmul over it,
+      attention, an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
+
+    Before the first call with a given input signature, the forward runs once on meta
+    tensors (no memory, no communication) to make the plan; a refusal there raises on
+    every rank alike before anything runs. ``model.spmd_plan`` is the latest plan.
+    Parameters, buffers and ``state_dict`` keys are unchanged; ``model`` itself is not
+    modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:
         model: the single-device model.
         mesh: the mesh.
-        spec: the spec of the activations, e.g. ``P(None, None, "sp")`` for (N, C, H, W)
-            split along H; every converted layer gets it (its input's spec).
-        types: extra ``{torch layer type: sharded type}`` pairs (a sharded type has a
-            ``from_torch(module, mesh, spec)`` classmethod).
-        allow: layer types of ``UNSAFE`` that you know are right on shards here.
+        spec: how the forward's tensor inputs are split: one ``P`` for all of them, or a
+            sequence with one ``P`` (or None: whole) per positional input.
+        example: the global input (a tensor), its global shape, or a tuple of those per
+            input: plan now, and raise now on a refusal (or print the plan with
+            ``report``). Only shapes and dtypes are used.
+        types: ``{layer type: replacement type}``: layers swapped for a replacement
+            (``from_torch(module, mesh, spec)``) that handles shards itself; the
+            interpreter does not look inside them.
+        allow: layer types and functions you know are right on shards here: the
+            interpreter does not look inside those layers, and passes those functions;
+            their outputs are split like their first input.
+        report: print the plan (needs ``example``) instead of raising on refusals, which
+            then raise when the forward runs.
 
     Raises:
-        SpecError: a layer of ``UNSAFE`` type not in ``allow`` (its path is named).
+        SpecError: a call that would be wrong on shards (with ``example``, or at the first
+            forward): where it is (layer path and source line), the split dim and the fix.
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
         >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU(),
         ...                           torch.nn.MaxPool2d(2))
-        >>> sharded = spmd.nn.convert(net, mesh, P(None, None, "sp"))
-        >>> [type(m).__module__.split(".")[0] for m in sharded]
-        ['spmd', 'torch', 'spmd']
+        >>> sharded = spmd.nn.convert(net, mesh, P(None, None, "sp"), example=(1, 1, 8, 8))
+        >>> [e.call for e in sharded.spmd_plan.swapped]
+        ['torch.conv2d', 'F.max_pool2d']
         >>> x = torch.randn(1, 1, 8, 8)
         >>> y = spmd.shard_map(sharded, mesh, P(None, None, "sp"), P(None, None, "sp"))(x)
         >>> torch.allclose(y, net(x), atol=1e-6)
         True
+        >>> class Bad(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return torch.roll(x, 1, dims=2)
+        >>> spmd.nn.convert(Bad(), mesh, P(None, None, "sp"), example=(1, 1, 8, 8))
+        Traceback (most recent call last):
+        ...
+        spmd.core.errors.SpecError: convert: 1 call(s) in Bad's forward would be wrong on shards ...
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
-    as_spec(spec)
-    mapping = {**SHARDED, **(types or {})}
-    allowed = tuple(allow)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"convert: mesh must be a spmd.Mesh, got {type(mesh).__name__}")
+    spec = _specs(spec, mesh)
+    allow = tuple(allow)
+    allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))
+    allow_funcs = frozenset(a for a in allow if not isinstance(a, type))
+    for a in allow:
+        if isinstance(a, type) and not issubclass(a, nn.Module) or not callable(a):
+            raise TypeError(f"convert: allow takes nn.Module types and functions, got {a!r}")
+    if report and example is None:
+        raise TypeError("convert: report=True needs example= (the global input or its shape)")
     new = copy.deepcopy(model)
-    if type(new) in mapping:
-        return mapping[type(new)].from_torch(new, mesh, spec)
-    swaps = []
-    for path, parent in new.named_modules():
-        for name, child in parent.named_children():
-            full = f"{path}.{name}" if path else name
-            twin = mapping.get(type(child))
-            if twin is not None:
-                swaps.append((parent, name, twin.from_torch(child, mesh, spec)))
-            elif isinstance(child, UNSAFE) and not isinstance(child, allowed):
-                raise SpecError(
-                    f"convert: {full} is a {type(child).__name__}, which mixes values across "
-                    f"positions (statistics, flattening or attention) and would be wrong on "
-                    f"shards split by {spec!r}; replace it, or pass "
-                    f"allow=({type(child).__name__},) if it does not span a split dim")
-    for parent, name, twin in swaps:
-        setattr(parent, name, twin)
+    replaced: tuple = ()
+    if types:
+        replaced = tuple(types.values())
+        if type(new) in types:
+            new = types[type(new)].from_torch(new, mesh, spec)
+        else:
+            swaps = []
+            for _, parent in new.named_modules():
+                for name, child in parent.named_children():
+                    if type(child) in types:
+                        swaps.append((parent, name, types[type(child)].from_torch(child, mesh, spec)))
+            for parent, name, twin in swaps:
+                setattr(parent, name, twin)
+    cfg = entry.Config(mesh, spec, type(new).__name__, allow_types, allow_funcs,
+                             replaced)
+
+    def opaque(m: nn.Module) -> bool:
+        return isinstance(m, allow_types + replaced + (_Sharded,))
+    entry.install(new, cfg, opaque)
+    new.spmd_plan = None
+    if example is not None:
+        plan = _plan_example(new, cfg, example)
+        new.spmd_plan = plan
+        if report:
+            print(plan)
+        elif plan.refused:
+            raise plan.error()
     return new
+
+
+def _specs(spec: Any, mesh: Mesh) -> Any:
+    if isinstance(spec, P):
+        out = spec
+    elif isinstance(spec, (tuple, list)):
+        out = tuple(None if s is None else as_spec(s, f"convert: spec[{i}]")
+                    for i, s in enumerate(spec))
+    else:
+        out = as_spec(spec, "convert: spec")
+    for s in (out,) if isinstance(out, P) else out:
+        for a in (s.axes if s is not None else ()):
+            mesh.check_axes(a, "convert: spec")
+    return out
+
+
+def _plan_example(model: nn.Module, cfg: entry.Config, example: Any) -> interpreter.Plan:
+    shapes = entry.example_shapes(example)
+    tensors = example if isinstance(example, (tuple, list)) and not \
+        entry.is_shape(example) else (example,)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                 torch.get_default_dtype())
+    args = []
+    for ex, shp in zip(tensors, shapes):
+        dt = ex.dtype if isinstance(ex, torch.Tensor) else dtype
+        args.append(torch.empty(shp, dtype=dt, device="meta"))
+    return cfg.plan(model, tuple(args), {}, lambda a, e: list(a.shape))

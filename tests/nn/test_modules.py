@@ -1,7 +1,7 @@
 """spmd.nn: the drop-in layers equal their torch twins on one device (values and
-gradients, float64, tolerance in tests/_ops.py), keep state_dict keys so checkpoints load
-both ways, and convert() swaps layers in a copy, refusing layers that would be wrong
-on shards.
+gradients, float64, tolerance in tests/_ops.py) and keep state_dict keys so checkpoints
+load both ways; convert() makes a copy whose forward runs each layer's twin on shards.
+(The interpreter behind convert is tested in tests/nn/test_conversion.py.)
 """
 from __future__ import annotations
 
@@ -51,15 +51,22 @@ def _compare_module(sharded, plain, mesh, x, in_spec=SPEC, out_spec=SPEC):
         "maxpool3d", "avgpool1d", "avgpool2d", "avgpool3d", "adamax1d", "adaavg2d", "adaavg3d",
         "upsample", "upsampling_bilinear"])
 def test_converted_layers_match_torch(make):
+    """Each layer with a twin, converted (the copy runs the spmd.ops twin) and as its
+    spmd.nn twin (from_torch, sharing the parameters)."""
     plain, twin, shape = make()
     plain = plain.double()
     mesh = spmd.Mesh((3,), ("sp",))
-    sharded = spmd.nn.convert(plain, mesh, SPEC)
-    assert type(sharded) is twin and isinstance(sharded, twin._torch_base)
+    sharded = spmd.nn.convert(plain, mesh, SPEC, example=shape)
+    assert type(sharded) is type(plain)
+    swapped = sharded.spmd_plan.swapped  # (padding modes other than zeros: F.pad, then conv)
+    assert swapped and all(e.detail.startswith("-> spmd.ops.") for e in swapped)
     for a, b in zip(sharded.parameters(), plain.parameters()):
         assert a is not b and torch.equal(a, b)  # a copy
     x = torch.randn(shape, dtype=F64)
     _compare_module(sharded, plain, mesh, x)
+    layer = twin.from_torch(plain, mesh, SPEC)
+    assert type(layer) is twin and isinstance(layer, twin._torch_base)
+    _compare_module(layer, plain, mesh, x)
 
 
 def test_checkpoints_load_both_ways():
@@ -80,18 +87,21 @@ def test_checkpoints_load_both_ways():
     y = spmd.shard_map(fresh, mesh, SPEC, SPEC)(x)
     torch.testing.assert_close(y, back(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y, net(x), rtol=1e-5, atol=1e-5)
-    assert isinstance(sharded[2], spmd.nn.Pad) and sharded[2].mode == "reflect"
-    assert type(sharded[0].to_torch()) is nn.Conv2d
+    pad = spmd.nn.Pad.from_torch(net[2], mesh, SPEC)
+    assert pad.mode == "reflect" and pad.padding == (1, 1, 1, 1)
+    assert type(spmd.nn.Conv2d.from_torch(net[0], mesh, SPEC).to_torch()) is nn.Conv2d
 
 
 def test_convert_leaves_the_model_alone_and_refuses_unsafe_layers():
     mesh = spmd.Mesh((2,), ("sp",))
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
-    with pytest.raises(spmd.SpecError, match=r"1 is a BatchNorm2d.*allow=\(BatchNorm2d,\)"):
-        spmd.nn.convert(net, mesh, SPEC)
-    out = spmd.nn.convert(net, mesh, SPEC, allow=(nn.BatchNorm2d,))
-    assert type(net[0]) is nn.Conv2d and type(out[0]) is spmd.nn.Conv2d
+    with pytest.raises(spmd.SpecError, match=r"in '1': F.batch_norm computes batch statistics "
+                       r"over dim 2, which is split over 'sp'"):
+        spmd.nn.convert(net, mesh, SPEC, example=(1, 1, 8, 8))
+    out = spmd.nn.convert(net, mesh, SPEC, allow=(nn.BatchNorm2d,), example=(1, 1, 8, 8))
+    assert type(net[0]) is nn.Conv2d and type(out[0]) is nn.Conv2d
     assert type(out[1]) is nn.BatchNorm2d
+    assert [e.kind for e in out.spmd_plan.entries] == ["swapped", "allowed"]
 
 
 def test_conv_transpose_output_size_is_global():
@@ -118,7 +128,7 @@ def test_a_copied_converted_model_keeps_its_mesh_and_runs():
     mesh = spmd.Mesh((2,), ("sp",))
     sharded = spmd.nn.convert(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1)), mesh, SPEC)
     twin = copy.deepcopy(sharded)  # as an EMA model or a checkpoint copy would be made
-    assert twin[0].mesh is mesh and copy.copy(mesh) is mesh
+    assert copy.copy(mesh) is mesh
     x = torch.randn(1, 1, 5, 4, dtype=F64)
     twin.double()
     torch.testing.assert_close(spmd.shard_map(twin, mesh, SPEC, SPEC)(x),

@@ -1,0 +1,126 @@
+"""What the layout interpreter knows of each tensor of a converted forward: which of its
+dims are split over which mesh axes (its *entries*), and which sizes are this rank's.
+
+A tensor produced inside a converted forward carries a ``Tag`` (an attribute); one that
+carries none (a parameter, a constant made in forward) is whole: the same on every rank.
+Reading the size of a split dim gives a ``LocalSize``: an int that remembers it is this
+rank's share, so that using it where a global size is meant (``torch.linspace(0, 1,
+h)``, ``F.interpolate(x, size=(2 * h, w))``) is refused instead of silently wrong.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.mesh import Mesh
+from ..core.spec import P
+
+#: One entry per dim: None (not split) or the tuple of mesh axes it is split over.
+Entries = tuple
+
+
+class Tag(NamedTuple):
+    mesh: Mesh
+    entries: Entries
+    poisoned: bool = False  # the output of a refused call (plan mode): nothing to report
+
+
+_ATTR = "_spmd_layout"
+
+
+def tag_of(t: torch.Tensor) -> Tag | None:
+    return getattr(t, _ATTR, None)
+
+
+def entries_of(t: torch.Tensor, mesh: Mesh) -> Entries:
+    """``t``'s entries on ``mesh``: its tag's, or all None (whole) without one."""
+    tag = getattr(t, _ATTR, None)
+    if tag is not None and tag.mesh is mesh and len(tag.entries) == t.ndim:
+        return tag.entries
+    return (None,) * t.ndim
+
+
+def set_tag(t: Any, mesh: Mesh, entries: Entries, poisoned: bool = False) -> None:
+    if isinstance(t, torch.Tensor):
+        if len(entries) != t.ndim:  # a rule's mistake must not pass silently
+            raise AssertionError(f"entries {entries} for a tensor of {t.ndim} dims")
+        setattr(t, _ATTR, Tag(mesh, tuple(entries), poisoned))
+
+
+def entries_from_spec(spec: P, ndim: int) -> Entries:
+    out = []
+    for e in tuple(spec) + (None,) * (ndim - len(spec)):
+        out.append(None if e is None else ((e,) if isinstance(e, str) else tuple(e)))
+    return tuple(out)
+
+
+def spec_of(entries: Entries) -> P:
+    """The ``P`` of entries, trailing unsplit dims left out."""
+    es = [None if e is None else (e[0] if len(e) == 1 else e) for e in entries]
+    while es and es[-1] is None:
+        es.pop()
+    return P(*es)
+
+
+def split_dims(entries: Entries) -> list[int]:
+    return [d for d, e in enumerate(entries) if e]
+
+
+def axes_str(e: tuple[str, ...]) -> str:
+    return repr(e[0]) if len(e) == 1 else repr(e)
+
+
+class LocalSize(int):
+    """This rank's size along a split dim (or a value computed from one by arithmetic).
+
+    Passed to a torch call inside a converted forward, it is refused unless it stands
+    where the local size is what is meant (``x.view(n, c, h, w)`` with ``h`` read from
+    the same dim). Python's own uses of it (``range(h)``) cannot be seen: such code
+    runs with this rank's count.
+    """
+
+    origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
+    derived: bool
+
+    def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False):
+        self = super().__new__(cls, value)
+        self.origin, self.derived = origin, derived
+        return self
+
+    def _same(self, value: int) -> LocalSize:
+        return LocalSize(value, self.origin, True)
+
+    def __add__(self, o): return self._same(int(self) + int(o))
+    __radd__ = __add__
+    def __sub__(self, o): return self._same(int(self) - int(o))
+    def __rsub__(self, o): return self._same(int(o) - int(self))
+    def __mul__(self, o): return self._same(int(self) * int(o))
+    __rmul__ = __mul__
+    def __floordiv__(self, o): return self._same(int(self) // int(o))
+    def __rfloordiv__(self, o): return self._same(int(o) // int(self))
+    def __mod__(self, o): return self._same(int(self) % int(o))
+    def __neg__(self): return self._same(-int(self))
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
+
+
+def local_sizes(obj: Any) -> list[LocalSize]:
+    """The LocalSizes in an argument (one level of nesting)."""
+    if isinstance(obj, LocalSize):
+        return [obj]
+    if isinstance(obj, (tuple, list, torch.Size)):
+        return [v for v in obj if isinstance(v, LocalSize)]
+    return []
+
+
+def plain(obj: Any) -> Any:
+    """``obj`` with every LocalSize turned into a plain int (before calling torch)."""
+    if isinstance(obj, LocalSize):
+        return int(obj)
+    if isinstance(obj, torch.Size):
+        return torch.Size(int(v) for v in obj)
+    if isinstance(obj, (tuple, list)) and any(isinstance(v, LocalSize) for v in obj):
+        return type(obj)(int(v) if isinstance(v, LocalSize) else v for v in obj)
+    return obj

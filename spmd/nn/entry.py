@@ -1,0 +1,312 @@
+"""How a converted model enters the layout interpreter: hooks on every layer.
+
+The first layer called from outside a converted forward (the model, or one of its layers
+called on its own) tags its inputs with ``convert``'s spec, gets the plan for this input
+signature (made once on meta tensors; a refusal there raises before anything runs) and
+starts the interpreter; every layer pushes its path for messages; layers convert does not
+look into (``allow=``, ``types=``, spmd.nn layers) suspend it, their outputs split like
+their input.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..core import _context
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
+from ..core.spec import P
+from ..ops._window import input_layout
+from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
+from .interpreter import _CANONICAL, Plan, _current, _Entry, _flat, _Run, _state
+from .modules import _Sharded
+
+__all__ = ["Config", "install", "example_shapes"]
+
+
+class Config:
+    """What ``convert`` decided for one model: its mesh, input specs and exceptions; the
+    plans made so far (one per input signature)."""
+
+    def __init__(self, mesh: Mesh, spec: Any, name: str, allow_types: tuple,
+                 allow_funcs: frozenset, opaque: tuple):
+        self.mesh, self.spec, self.name = mesh, spec, name
+        self.allow_types, self.allow_funcs, self.opaque = allow_types, allow_funcs, opaque
+        self.plans: dict[tuple, Plan] = {}
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict) -> Config:
+        new = Config(self.mesh, self.spec, self.name, self.allow_types, self.allow_funcs,
+                     self.opaque)
+        new.plans = dict(self.plans)
+        return new
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # -- specs of the inputs ----------------------------------------------------------------
+
+    def spec_for(self, i: int | None) -> P | None:
+        if isinstance(self.spec, P):
+            return self.spec
+        if i is None or i >= len(self.spec):
+            return None
+        return self.spec[i]
+
+    def tag_inputs(self, args: tuple, kwargs: dict, make: Callable | None = None):
+        """The inputs with their tags (aliases, so the caller's tensors are untouched)."""
+        def one(a: Any, i: int | None) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            tag = tag_of(a)
+            if tag is not None and tag.mesh is self.mesh and len(tag.entries) == a.ndim:
+                entries = tag.entries
+            else:
+                spec = self.spec_for(i)
+                if spec is not None and len(spec) > a.ndim:
+                    raise SpecError(f"convert: input {i} ({tuple(a.shape)}) has {a.ndim} dims "
+                                    f"but its spec {spec!r} has {len(spec)} entries")
+                entries = entries_from_spec(spec, a.ndim) if spec is not None else \
+                    (None,) * a.ndim
+            t = make(a, entries) if make is not None else a.view_as(a)
+            set_tag(t, self.mesh, entries)
+            return t
+        return (tuple(one(a, i) for i, a in enumerate(args)),
+                {k: one(v, None) for k, v in kwargs.items()})
+
+    # -- plans ---------------------------------------------------------------------------------
+
+    def plan(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+             shapes: Callable[[torch.Tensor, tuple], list[int]]) -> Plan:
+        """Run ``module`` on meta stand-ins of tagged ``args`` (sizes from ``shapes``)."""
+        def make(a, entries):
+            m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
+            return m.requires_grad_(a.requires_grad) if m.is_floating_point() else m
+        margs, mkwargs = self.tag_inputs(args, kwargs, make)
+        ins = [f"input {i}: {spec_of(entries_of(a, self.mesh))!r}" for i, a in enumerate(margs)
+               if isinstance(a, torch.Tensor)]
+        plan = Plan(self.name, ins or ["no tensor inputs"])
+        run = _Run(self, planning=True, plan=plan)
+        run.start()
+        try:
+            out = module(*margs, **mkwargs)
+        except SpecError as e:
+            if not getattr(e, "plan_stop", False):
+                raise  # a convert error (an spmd call in the forward, a spec too long)
+            plan.incomplete = (f"{run.where()}: a layer not looked into runs spmd's own "
+                               f"functions, which a plan does not")
+            out = None
+        except Exception as e:  # noqa: BLE001 - data-dependent code cannot run on meta
+            plan.incomplete = f"{type(e).__name__}: {e} ({run.where()})"
+            out = None
+        finally:
+            run.stop()
+        for t in _flat((out,), {}):
+            if isinstance(t, torch.Tensor):
+                tag = tag_of(t)
+                plan.outputs.append("refused" if tag is not None and tag.poisoned else
+                                    repr(spec_of(entries_of(t, self.mesh))))
+        return plan
+
+    def planned(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> Plan:
+        """The plan for this input signature (made once, the same on every rank: split
+        dims take a stand-in size, the others their own)."""
+        key = (path, module.training, tuple(
+            (a.ndim, a.dtype, tuple(None if e else s for e, s in
+                                    zip(entries_of(a, self.mesh), a.shape)))
+            if isinstance(a, torch.Tensor) else type(a) for a in _flat(args, kwargs)))
+        with self._lock:
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plan(module, args, kwargs,
+                                 lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)])
+                self.plans[key] = plan
+        return plan
+
+
+class _Frame:
+    __slots__ = ("module", "run", "path", "suspended", "entries")
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.run: _Run | None = None  # set where this call entered the interpreter
+        self.path = False
+        self.suspended = False
+        self.entries: tuple | None = None
+
+
+class Enter:
+    """Forward pre-hook of every module of a converted model."""
+
+    def __init__(self, cfg: Config, path: str, opaque: bool):
+        self.cfg, self.path, self.opaque = cfg, path, opaque
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        frames = _state()
+        frame = _Frame(module)
+        frames.append(frame)  # first: the exit hook pops it even if what follows raises
+        run = _current()
+        if run is not None:
+            run.internal += 1
+            try:
+                return self._inside(run, frame, module, args, kwargs)
+            finally:
+                run.internal -= 1
+        return self._enter(frame, module, args, kwargs)
+
+    def _enter(self, frame: _Frame, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """A call from outside any converted forward: tag the inputs, check the plan, run."""
+        args, kwargs = self.cfg.tag_inputs(args, kwargs)
+        plan = self.cfg.planned(module, self.path, args, kwargs)
+        if plan.refused:
+            raise plan.error()
+        run = _Run(self.cfg, planning=False)
+        run.start()
+        frame.run = run
+        run.internal += 1
+        try:
+            return self._inside(run, frame, module, args, kwargs)
+        finally:
+            run.internal -= 1
+
+    def _inside(self, run: _Run, frame: _Frame, module: torch.nn.Module, args: tuple,
+                kwargs: dict):
+        if run.suspended:
+            return args, kwargs
+        run.paths.append(self.path)
+        frame.path = True
+        if isinstance(module, _CONV_TRANSPOSE):
+            args, kwargs = _global_output_size(run, module, args, kwargs)
+        if isinstance(module, _Sharded) and not run.planning:
+            _check_twin_spec(run, module, args, kwargs)
+        if self.opaque:
+            first = next((a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)), None)
+            frame.entries = None if first is None else (first.ndim, run.entries(first))
+            frame.suspended = True
+            run.suspend()
+            if run.plan is not None:
+                run.plan.entries.append(_Entry("allowed", run.where(), type(module).__name__,
+                                               "(not looked into)"))
+        return args, kwargs
+
+
+class Exit:
+    """Forward hook (always called) of every module of a converted model."""
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any):
+        frames = _state()
+        if not frames or frames[-1].module is not module:
+            return None
+        frame = frames.pop()
+        run = _current()
+        if run is not None:
+            run.internal += 1
+            try:
+                self._leave(run, frame, output)
+            finally:
+                run.internal -= 1
+        if frame.run is not None:
+            frame.run.stop()
+        return None
+
+    def _leave(self, run: _Run, frame: _Frame, output: Any) -> None:
+        if frame.suspended:  # a layer not looked into: its outputs are split like its input
+            run.resume()
+            if frame.entries is not None and output is not None:
+                ndim, e = frame.entries
+                for t in _flat((output,), {}):
+                    if isinstance(t, torch.Tensor):
+                        set_tag(t, run.mesh, e if t.ndim == ndim else (None,) * t.ndim)
+        if frame.path:
+            run.paths.pop()
+
+
+_CONV_TRANSPOSE = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+
+
+def _global_output_size(run: _Run, m: torch.nn.Module, args: tuple, kwargs: dict):
+    """``ConvTranspose(x, output_size)``: torch derives ``output_padding`` from the input's
+    size, which on a shard is this rank's. Give the layer the ``output_size`` that makes
+    it derive, from its shard, the ``output_padding`` of the global input."""
+    size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+    x = args[0] if args else kwargs.get("input")
+    n = len(m.kernel_size)
+    if size is None or not isinstance(x, torch.Tensor):
+        return args, kwargs
+    e = run.entries(x)
+    if not any(e[x.ndim - n:]):
+        return args, kwargs
+    if run.planning:
+        shape = tuple(x.shape)
+    else:  # the global input size: one small exchange, made by every rank of the layer
+        prev = _context.set_converting(False)
+        try:
+            shape = input_layout(x, run.mesh, spec_of(e), f"ConvTranspose{n}d")[1].shape
+        finally:
+            _context.set_converting(prev)
+    whole = torch.empty(shape, device="meta")
+    pad = m._output_padding(whole, [int(v) for v in size], m.stride, m.padding, m.kernel_size,
+                            n, m.dilation)
+    local = [(int(x.shape[x.ndim - n + d]) - 1) * m.stride[d] - 2 * m.padding[d] +
+             m.dilation[d] * (m.kernel_size[d] - 1) + 1 + int(pad[d]) for d in range(n)]
+    if "output_size" in kwargs:
+        return args, {**kwargs, "output_size": local}
+    return (args[0], local) + tuple(args[2:]), kwargs
+
+
+def _check_twin_spec(run: _Run, m: Any, args: tuple, kwargs: dict) -> None:
+    """An ``spmd.nn`` layer in a converted model runs with its own spec: it must be how
+    its input is split."""
+    x = next((a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)), None)
+    if x is None or not isinstance(m.spec, P):
+        return
+    have = spec_of(run.entries(x))
+    want = spec_of(entries_from_spec(m.spec, x.ndim))
+    if have != want:
+        raise SpecError(f"convert: {run.where()}: the spmd.nn layer {type(m).__name__} has "
+                        f"spec={m.spec!r}, but its input is split as {have!r} here; build it "
+                        f"with that spec, or use the torch layer and let convert follow it")
+
+
+def install(model: torch.nn.Module, cfg: Config,
+            opaque: Callable[[torch.nn.Module], bool]) -> None:
+    """Put the hooks on every module of ``model`` (a module reached twice, once)."""
+    seen: set[int] = set()
+    for path, m in model.named_modules():
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        m.register_forward_pre_hook(Enter(cfg, f"'{path}'" if path else cfg.name, opaque(m)),
+                                    with_kwargs=True)
+        m.register_forward_hook(Exit(), always_call=True)
+
+
+def example_shapes(example: Any) -> list[Sequence[int]]:
+    """``example`` (a tensor, a shape, or a tuple of them) as a list of global shapes."""
+    if isinstance(example, torch.Tensor) or is_shape(example):
+        example = (example,)
+    out = []
+    for ex in example:
+        if isinstance(ex, torch.Tensor):
+            out.append(tuple(ex.shape))
+        elif is_shape(ex):
+            out.append(tuple(int(v) for v in ex))
+        else:
+            raise TypeError(f"convert: example must be a tensor, a shape (tuple of ints) or a "
+                            f"tuple of them, got {type(ex).__name__}")
+    return out
+
+
+def is_shape(x: Any) -> bool:
+    return isinstance(x, (tuple, list, torch.Size)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in x)
+

@@ -1,0 +1,321 @@
+"""The layout interpreter: runs a converted model's forward and decides, for every torch
+call in it, whether it passes, is swapped for its domain-parallel twin, or is refused.
+
+A ``TorchFunctionMode`` (torch's public extension point, pushed only for the duration of
+the converted forward, on the calling thread) sees every torch call the forward makes,
+in ``nn.Module`` layers, in functional calls, in helpers, in any Python control flow.
+Each call goes to its rule (``rules.py``), which reads the split of its inputs from their
+tags and tags its outputs. Nothing global is patched: other threads and code outside
+the converted forward are untouched.
+
+Before the first real call with a given input signature, the forward runs once on meta
+tensors (no memory, no communication), every split dim given a stand-in size: this is
+the *plan*. A call the plan refuses raises, on every rank alike, before anything runs;
+``convert(..., example=...)`` makes the plan at once, from the global shape.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..core import _context
+from ..core.errors import SpecError
+from . import rules
+from ._tags import (
+    LocalSize,
+    entries_of,
+    plain,
+    set_tag,
+    split_dims,
+    tag_of,
+)
+
+if TYPE_CHECKING:
+    from .entry import Config
+
+__all__ = ["Plan"]
+
+_local = threading.local()
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7)
+_CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
+             "linspace", "logspace", "eye", "randperm", "tensor", "as_tensor"}
+
+
+def _state() -> list:
+    s = getattr(_local, "frames", None)
+    if s is None:
+        s = _local.frames = []
+    return s
+
+
+def _current() -> _Run | None:
+    return getattr(_local, "run", None)
+
+
+@dataclass
+class _Entry:
+    kind: str  # "swapped", "passed", "refused", "allowed"
+    where: str
+    call: str
+    detail: str = ""
+
+
+@dataclass
+class Plan:
+    """What a converted forward does with each call, found by running it on meta tensors.
+
+    ``str(plan)`` is a table; ``refused`` lists the calls that would be wrong on shards
+    (with where they are and how to fix them); ``outputs`` the specs of the forward's
+    tensor outputs.
+    """
+
+    model: str
+    inputs: list[str]
+    entries: list[_Entry] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    incomplete: str = ""
+
+    @property
+    def refused(self) -> list[_Entry]:
+        return [e for e in self.entries if e.kind == "refused"]
+
+    @property
+    def swapped(self) -> list[_Entry]:
+        return [e for e in self.entries if e.kind == "swapped"]
+
+    def error(self) -> SpecError:
+        lines = [f"convert: {len(self.refused)} call(s) in {self.model}'s forward would be "
+                 f"wrong on shards ({', '.join(self.inputs)}); nothing has run:"]
+        for e in self.refused:
+            lines.append(f"  - {e.where}: {e.call} {e.detail}")
+        lines.append("(allow=(...) takes layer types and functions you know are right here)")
+        return SpecError("\n".join(lines))
+
+    def __str__(self) -> str:
+        lines = [f"convert plan for {self.model} ({', '.join(self.inputs)}):"]
+        passed: Counter = Counter()
+        for e in self.entries:
+            if e.kind == "passed":
+                passed[e.call] += 1
+            else:
+                lines.append(f"  {e.kind:8} {e.where}: {e.call} {e.detail}".rstrip())
+        if passed:
+            ops = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in sorted(passed.items()))
+            lines.append(f"  passed   {sum(passed.values())} calls on split tensors that act "
+                         f"per position or along whole dims: {ops}")
+        if self.incomplete:
+            lines.append(f"  plan incomplete: {self.incomplete}; later calls are checked as "
+                         f"they run")
+        if self.outputs:
+            lines.append(f"  output: {', '.join(self.outputs)}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self.run.call(func, args, kwargs or {})
+
+
+class _Run:
+    """One forward of a converted model on this thread (or its plan on meta tensors)."""
+
+    def __init__(self, cfg: Config, planning: bool, plan: Plan | None = None):
+        self.cfg, self.mesh, self.planning = cfg, cfg.mesh, planning
+        self.plan = plan
+        self.paths: list[str] = []
+        self.suspended = 0
+        self.internal = 0  # spmd's own hooks at work: their torch calls are not the model's
+        self.mode = _Mode(self)
+        self._prev_converting = False
+
+    # -- entering and leaving -------------------------------------------------------------
+
+    def start(self) -> None:
+        self.base = _user_frame()  # the model's caller: lines there are not the forward's
+        _local.run = self
+        self._prev_converting = _context.set_converting(True)
+        self.mode.__enter__()
+
+    def stop(self) -> None:
+        try:
+            self.mode.__exit__(None, None, None)
+        finally:
+            _context.set_converting(self._prev_converting)
+            _local.run = None
+
+    def suspend(self) -> None:
+        self.suspended += 1
+        # A plan never communicates: spmd calls inside the layer stop it there.
+        _context.set_converting("plan" if self.planning else False)
+
+    def resume(self) -> None:
+        self.suspended -= 1
+        if not self.suspended:
+            _context.set_converting(True)
+
+    # -- what rules use ------------------------------------------------------------------------
+
+    def entries(self, t: torch.Tensor) -> tuple:
+        return entries_of(t, self.mesh)
+
+    def tag(self, result: Any, entries: Any) -> None:
+        if isinstance(result, torch.Tensor):
+            e = entries.fn(result) if isinstance(entries, rules.PerOutput) else entries
+            if e is None:
+                e = (None,) * result.ndim
+            if len(e) != result.ndim:
+                raise SpecError(f"convert: spmd bug, please report: entries {e} for "
+                                f"{result.ndim} dims")
+            set_tag(result, self.mesh, e)
+        elif isinstance(result, (tuple, list)):
+            per = isinstance(entries, list)
+            for k, r in enumerate(result):
+                self.tag(r, entries[k] if per else entries)
+
+    def _meta(self, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.device.type != "meta":
+            return torch.empty_like(a, device="meta").requires_grad_(a.requires_grad) \
+                if a.is_floating_point() or a.is_complex() else torch.empty_like(a, device="meta")
+        if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+            return type(a)(self._meta(v) for v in a)
+        return a
+
+    def execute(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        args = tuple(plain(a) for a in args)
+        kwargs = {k: plain(v) for k, v in kwargs.items()}
+        if self.planning:  # on meta tensors, without spmd's functions
+            args = tuple(self._meta(a) for a in args)
+            kwargs = {k: self._meta(v) for k, v in kwargs.items()}
+            if rules.op_name(fn) in _CREATION:
+                kwargs["device"] = "meta"
+            return fn(*args, **kwargs)
+        prev = _context.set_converting(False)  # twins call spmd's own functions
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _context.set_converting(prev)
+
+    def execute_plain(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        return fn(*args, **kwargs)
+
+    def record(self, kind: str, c: rules.Call, detail: str = "") -> None:
+        if self.plan is not None:
+            self.plan.entries.append(_Entry(kind, self.where(), _describe(c), detail))
+
+    def where(self) -> str:
+        path = self.paths[-1] if self.paths else self.cfg.name
+        f = _user_frame()
+        line = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" \
+            if f is not None and f is not self.base else ""
+        return f"in {path}" + (f" ({line})" if line else "")
+
+    # -- the dispatch --------------------------------------------------------------------------
+
+    def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.internal:
+            return func(*args, **kwargs)
+        if self.suspended:
+            return self.execute(func, args, kwargs)
+        split, poisoned = self._inspect(args, kwargs)
+        if poisoned:
+            res = self.execute(func, args, kwargs)
+            self._poison(res)
+            return res
+        if not split:
+            return self.execute(func, args, kwargs)
+        name = rules.op_name(func)
+        c = rules.Call(self, func, name, args, kwargs)
+        if func in self.cfg.allow_funcs:
+            self.record("allowed", c, "(allow=)")
+            res = self.execute(func, args, kwargs)
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self.tag(res, rules.like_input(c, first) if first is not None else None)
+            return res
+        rule = rules.rule_for(name) or rules.unknown
+        n = len(self.plan.entries) if self.plan is not None else 0
+        try:
+            res = rule(c)
+        except rules.Refused as r:
+            if not self.planning:
+                raise rules.raise_refusal(self.where(), _describe(c), r) from None
+            self.record("refused", c, r.problem + (f"; {r.fix}" if r.fix else ""))
+            res = self.execute(func, args, kwargs)
+            self._poison(res)
+            return res
+        if self.plan is not None and len(self.plan.entries) == n and _has_split_tensor(
+                self, args, kwargs):
+            self.record("passed", c)
+        return res
+
+    def _inspect(self, args: tuple, kwargs: dict) -> tuple[bool, bool]:
+        """Whether any argument is split (or a LocalSize), and whether any is poisoned."""
+        split = poisoned = False
+        for a in _flat(args, kwargs):
+            if isinstance(a, torch.Tensor):
+                tag = tag_of(a)
+                if tag is not None and tag.mesh is self.mesh:
+                    poisoned |= tag.poisoned
+                    split |= any(tag.entries)
+            elif isinstance(a, LocalSize):
+                split = True
+        return split, poisoned
+
+    def _poison(self, res: Any) -> None:
+        for t in _flat((res,), {}):
+            if isinstance(t, torch.Tensor):
+                set_tag(t, self.mesh, (None,) * t.ndim, poisoned=True)
+
+
+def _flat(args: tuple, kwargs: dict):
+    for a in list(args) + list(kwargs.values()):
+        yield a
+        if isinstance(a, (tuple, list)) and not isinstance(a, torch.Size):
+            yield from a
+        elif isinstance(a, slice):
+            yield from (a.start, a.stop, a.step)
+
+
+def _has_split_tensor(run: _Run, args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) and split_dims(run.entries(a))
+               for a in _flat(args, kwargs))
+
+
+def _describe(c: rules.Call) -> str:
+    special = {"__getitem__": "indexing x[...]", "__setitem__": "x[...] = ...",
+               "len": "len(x)", "item": "reading values"}
+    if c.name in special:
+        return special[c.name]
+    if c.name.startswith("fft_"):
+        return f"torch.fft.{c.name[4:]}"
+    name = c.name if not c.name.startswith("get:") else c.name[4:]
+    mod = getattr(c.func, "__module__", "") or ""
+    prefix = "F." if mod.endswith("functional") and "torch.nn" in mod else \
+        ("torch." if mod.startswith("torch") and "Tensor" not in str(c.func) else "")
+    return f"{prefix}{name}"
+
+
+def _user_frame():
+    """The innermost frame of code that is neither torch's nor spmd's."""
+    f = inspect.currentframe()
+    while f is not None:
+        fn = os.path.abspath(f.f_code.co_filename)
+        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_SPMD_DIR)):
+            return f
+        f = f.f_back
+    return None

@@ -1,0 +1,199 @@
+"""What every rule shares: the ``Call`` a rule sees, ``Refused``, dims and broadcasting."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ...core.errors import SpecError
+from .._tags import Entries, axes_str, local_sizes, split_dims
+
+
+class Refused(Exception):
+    """A call that would be wrong on shards (caught by the interpreter)."""
+
+    def __init__(self, problem: str, fix: str = ""):
+        super().__init__(problem)
+        self.problem, self.fix = problem, fix
+
+
+class Call:
+    """One torch call of a converted forward, as a rule sees it."""
+
+    __slots__ = ("run", "func", "name", "args", "kwargs")
+
+    def __init__(self, run: Any, func: Callable, name: str, args: tuple, kwargs: dict):
+        self.run, self.func, self.name = run, func, name
+        self.args, self.kwargs = args, kwargs
+
+    @property
+    def mesh(self):
+        return self.run.mesh
+
+    @property
+    def planning(self) -> bool:
+        return self.run.planning
+
+    def ent(self, t: torch.Tensor) -> Entries:
+        return self.run.entries(t)
+
+    def call(self, fn: Callable | None = None, args: tuple | None = None,
+             kwargs: dict | None = None) -> Any:
+        """Run ``fn`` (the intercepted function by default) on plain arguments (on meta
+        tensors while planning)."""
+        return self.run.execute(self.func if fn is None else fn,
+                                self.args if args is None else args,
+                                self.kwargs if kwargs is None else kwargs)
+
+    def out(self, result: Any, entries: Entries | Sequence[Entries | None] | None) -> Any:
+        """Tag ``result`` (a tensor, or a tuple/list of them) with ``entries`` (one for
+        all, or one per element; None: whole) and return it."""
+        self.run.tag(result, entries)
+        return result
+
+    def record(self, kind: str, detail: str = "") -> None:
+        self.run.record(kind, self, detail)
+
+    def refuse(self, problem: str, fix: str = "") -> None:
+        raise Refused(problem, fix)
+
+
+def _tensors(c: Call) -> list[torch.Tensor]:
+    out = []
+    for a in list(c.args) + list(c.kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(v for v in a if isinstance(v, torch.Tensor))
+    return out
+
+
+def _split(c: Call, t: torch.Tensor) -> list[int]:
+    return split_dims(c.ent(t))
+
+
+def _dim(d: Any, ndim: int) -> int:
+    d = int(d)
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise IndexError(f"dim {d} out of range for {ndim} dims")
+    return d % max(ndim, 1)
+
+
+def _dims(d: Any, ndim: int) -> list[int]:
+    """A dim argument (int, tuple, list, None or ()) as sorted dims; None/() is all."""
+    if d is None or (isinstance(d, (tuple, list)) and len(d) == 0):
+        return list(range(ndim))
+    if isinstance(d, (tuple, list, torch.Size)):
+        return sorted({_dim(v, ndim) for v in d})
+    return [_dim(d, ndim)]
+
+
+def _where(d: int, e: tuple[str, ...]) -> str:
+    return f"dim {d}, which is split over {axes_str(e)}"
+
+
+def _no_local_sizes(c: Call) -> None:
+    """Refuse a LocalSize given where a global size is meant."""
+    for a in list(c.args) + list(c.kwargs.values()):
+        for s in local_sizes(a):
+            d, e = s.origin
+            c.refuse(f"is given {int(s)}, this rank's share of {_where(d, e)}, where the "
+                     f"global size is meant",
+                     "use the global size (or a scale factor) instead of the shard's")
+
+
+def broadcast(c: Call, ts: Sequence[torch.Tensor]) -> Entries:
+    """The entries of the broadcast of ``ts``, or a refusal where a split dim meets a
+    whole one of size > 1 or a dim split otherwise."""
+    return broadcast_shapes(c, [(c.ent(t), tuple(t.shape)) for t in ts])
+
+
+def broadcast_shapes(c: Call, parts: Sequence[tuple[Entries, tuple[int, ...]]]) -> Entries:
+    """``broadcast`` of (entries, shape) pairs."""
+    nd = max((len(s) for _, s in parts), default=0)
+    out: list = [None] * nd
+    for d in range(nd):
+        split, whole, sizes = set(), None, set()
+        for ents, shp in parts:
+            k = d - (nd - len(shp))
+            if k < 0:
+                continue
+            e = ents[k]
+            if e:
+                split.add(e)
+                sizes.add(shp[k])
+            elif shp[k] != 1:
+                whole = shp[k]
+        if not split:
+            continue
+        e = next(iter(split))
+        if len(split) > 1:
+            c.refuse(f"combines tensors whose dim {d} is split over different axes "
+                     f"({', '.join(sorted(axes_str(s) for s in split))})",
+                     "redistribute one of them first")
+        if whole is not None:
+            c.refuse(f"combines a tensor split along {_where(d, e)} with one that is whole "
+                     f"along it (size {whole}): each rank would use all of it against its "
+                     f"shard", "split the whole one the same way (spmd.scatter, or build it "
+                     "from the shard), or make it size 1 along that dim")
+        if len(sizes) > 1:
+            c.refuse(f"combines shards of different sizes along {_where(d, e)} "
+                     f"({sorted(sizes)} on this rank)",
+                     "redistribute one of them to the other's layout first")
+        out[d] = e
+    return tuple(out)
+
+
+def _arg(c: Call, name: str, pos: int, default: Any) -> Any:
+    if name in c.kwargs:
+        return c.kwargs[name]
+    return c.args[pos] if len(c.args) > pos else default
+
+
+def like_input(c: Call, x: torch.Tensor):
+    """Entries for results shaped like ``x`` (same number of dims); whole otherwise."""
+    e = c.ent(x)
+
+    def entries_for(r):
+        return e if isinstance(r, torch.Tensor) and r.ndim == x.ndim else None
+    return PerOutput(entries_for)
+
+
+class PerOutput:
+    """Entries computed per output (``Run.tag`` calls it with each result)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def refuse_if_split(what: str, fix: str = "redistribute so nothing is split first") -> Callable:
+    def rule(c: Call) -> Any:
+        for t in _tensors(c):
+            sp = _split(c, t)
+            if sp:
+                c.refuse(f"{what}, and {_where(sp[0], c.ent(t)[sp[0]])}", fix)
+        _no_local_sizes(c)
+        return c.call()
+    return rule
+
+
+def passthrough(c: Call) -> Any:
+    return c.call()
+
+
+def unknown(c: Call) -> Any:
+    """A function no rule covers: fine where nothing is split, refused otherwise."""
+    for t in _tensors(c):
+        sp = _split(c, t)
+        if sp:
+            c.refuse(f"is not known to spmd, and its argument is split along "
+                     f"{_where(sp[0], c.ent(t)[sp[0]])}",
+                     "if it acts per position, pass it in allow=(...)")
+    _no_local_sizes(c)
+    return c.call()
+
+
+def raise_refusal(where: str, call: str, r: Refused) -> SpecError:
+    fix = f"; {r.fix}" if r.fix else ""
+    return SpecError(f"convert: {where}: {call} {r.problem}{fix}")

@@ -1,0 +1,168 @@
+"""Calls that act per position: elementwise ops, identity-like ops, sizes (the size of a
+split dim is this rank's share: a ``LocalSize``), and tensors made in the forward."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._tags import LocalSize, local_sizes
+from ._base import Call, _arg, _dim, _no_local_sizes, _split, _tensors, _where, broadcast
+
+
+def pointwise(c: Call) -> Any:
+    ts = _tensors(c)
+    entries = broadcast(c, ts)
+    _no_local_sizes(c)
+    inplace = c.name.endswith("_") and not c.name.startswith("__") or "out" in c.kwargs
+    if inplace:
+        target = c.kwargs.get("out", c.args[0] if c.args else None)
+        if isinstance(target, torch.Tensor) and c.ent(target) != entries[len(entries) - target.ndim:]:
+            c.refuse("writes a value split over the mesh into a tensor that is whole (or "
+                     "split otherwise)", "write into a new tensor instead of in place")
+    res = c.call()
+    if isinstance(res, torch.Tensor):
+        entries = entries[len(entries) - res.ndim:] if res.ndim <= len(entries) else \
+            (None,) * (res.ndim - len(entries)) + entries
+    return c.out(res, entries)
+
+
+def same(c: Call) -> Any:
+    """Identity-like (to, clone, contiguous, detach, ...): the entries of ``self``."""
+    x = c.args[0]
+    res = c.call()
+    return c.out(res, c.ent(x) if isinstance(res, torch.Tensor) and res.ndim == x.ndim else None)
+
+
+def random_like_mask(c: Call) -> Any:
+    """Dropout of whole channels (dropout1d/2d/3d, feature_alpha_dropout): one draw per
+    (sample, channel) over all positions, which ranks would draw differently."""
+    x = c.args[0]
+    training = _arg(c, "training", 2, True)
+    sp = [d for d in _split(c, x) if d >= (2 if x.ndim > 2 else 1)]
+    if training and sp:
+        c.refuse(f"drops whole channels at random, one draw per channel over all positions; "
+                 f"along {_where(sp[0], c.ent(x)[sp[0]])} each rank would draw its own",
+                 "use F.dropout (independent per element), or allow=(...) to accept it")
+    return same(c)
+
+
+def embedding(c: Call) -> Any:
+    idx = c.args[0]
+    return c.out(c.call(), c.ent(idx) + (None,))
+
+
+def one_hot(c: Call) -> Any:
+    return c.out(c.call(), c.ent(c.args[0]) + (None,))
+
+
+def view_as_real(c: Call) -> Any:
+    return c.out(c.call(), c.ent(c.args[0]) + (None,))
+
+
+def view_as_complex(c: Call) -> Any:
+    e = c.ent(c.args[0])
+    if e and e[-1]:
+        c.refuse(f"pairs values along {_where(len(e) - 1, e[-1])}")
+    return c.out(c.call(), e[:-1])
+
+
+def shape(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    s = c.call()
+    if not any(e):
+        return s
+    return torch.Size(LocalSize(v, (d, e[d])) if e[d] else v for d, v in enumerate(s))
+
+
+def size(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    s = c.call()
+    d = _arg(c, "dim", 1, None)
+    if not any(e):
+        return s
+    if d is None:
+        return torch.Size(LocalSize(v, (k, e[k])) if e[k] else v for k, v in enumerate(s))
+    k = _dim(d, x.ndim)
+    return LocalSize(s, (k, e[k])) if e[k] else s
+
+
+def numel(c: Call) -> Any:
+    x = c.args[0]
+    sp = _split(c, x)
+    n = c.call()
+    return LocalSize(n, (sp[0], c.ent(x)[sp[0]])) if sp else n
+
+
+def length(c: Call) -> Any:
+    x = c.args[0]
+    n = c.call()
+    e = c.ent(x)
+    return LocalSize(n, (0, e[0])) if e and e[0] else n
+
+
+def reads_values(c: Call) -> Any:
+    x = c.args[0]
+    sp = _split(c, x)
+    if sp:
+        c.refuse(f"reads the values of this rank's shard (split along "
+                 f"{_where(sp[0], c.ent(x)[sp[0]])}) into Python, where they would differ "
+                 f"from rank to rank", "reduce first (x.sum(), x.mean(), ...): the result "
+                 "is the same on every rank")
+    return c.call()
+
+
+def _size_args(c: Call) -> list:
+    if "size" in c.kwargs:
+        s = c.kwargs["size"]
+        return list(s) if isinstance(s, (tuple, list, torch.Size)) else [s]
+    sizes = []
+    for a in c.args:
+        if isinstance(a, (tuple, list, torch.Size)):
+            sizes.extend(a)
+        elif isinstance(a, int):
+            sizes.append(a)
+        else:
+            break
+    return sizes
+
+
+def creation(c: Call) -> Any:
+    """zeros, ones, empty, full, rand, randn (and new_*): a size built from the sizes of
+    split dims gives a tensor split the same way (its values do not depend on position)."""
+    sizes = _size_args(c if not c.name.startswith("new_") else
+                       Call(c.run, c.func, c.name, c.args[1:], c.kwargs))
+    if c.name == "full" and c.args and isinstance(c.args[0], (tuple, list, torch.Size)):
+        sizes = list(c.args[0])
+    entries = []
+    for v in sizes:
+        if isinstance(v, LocalSize):
+            if v.derived:
+                d, e = v.origin
+                c.refuse(f"makes a dim of size {int(v)}, computed from this rank's share of "
+                         f"{_where(d, e)}", "make it from the shard's own size, or globally")
+            entries.append(v.origin[1])
+        else:
+            entries.append(None)
+    res = c.call()
+    if isinstance(res, torch.Tensor) and len(entries) == res.ndim and any(entries):
+        return c.out(res, tuple(entries))
+    return res
+
+
+def like(c: Call) -> Any:
+    return same(c)
+
+
+def coordinates(c: Call) -> Any:
+    """arange, linspace, ...: values that depend on the position."""
+    for a in list(c.args) + list(c.kwargs.values()):
+        for s in local_sizes(a):
+            d, e = s.origin
+            c.refuse(f"builds coordinates from {int(s)}, this rank's share of {_where(d, e)}: "
+                     f"each rank would count from 0", "build them globally and split them "
+                     "like the data, or offset them by the shard's start "
+                     "(spmd.axis_index and the layout's sizes)")
+    return c.call()

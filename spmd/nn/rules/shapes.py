@@ -1,0 +1,404 @@
+"""Calls that rearrange dims: views and reshapes, permutations, cat/stack/split, indexing.
+A split dim may move, but never merge with another, be cut, or be indexed."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._tags import Entries, LocalSize, plain, split_dims
+from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast
+from .per_position import same
+
+_BIG = 1_000_003  # a split dim's stand-in size when matching dims through a view
+
+
+def _view_target(c: Call) -> list:
+    if c.name in ("view", "reshape") and len(c.args) == 2 and \
+            isinstance(c.args[1], (tuple, list, torch.Size)):
+        return list(c.args[1])
+    if c.name == "reshape" and "shape" in c.kwargs:
+        return list(c.kwargs["shape"])
+    return list(c.args[1:])
+
+
+def _groups(ins: list[int], outs: list[int]) -> list[tuple[list[int], list[int]]] | None:
+    """Match the dims of a view: groups of input and output dims with equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(ins) or j < len(outs):
+        gi, gj = [], []
+        if i < len(ins) and ins[i] == 1 and (j >= len(outs) or outs[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(outs) and outs[j] == 1 and (i >= len(ins) or ins[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        pi = pj = 1
+        while True:
+            if pi <= pj and i < len(ins):
+                pi *= ins[i]
+                gi.append(i)
+                i += 1
+            elif j < len(outs):
+                pj *= outs[j]
+                gj.append(j)
+                j += 1
+            else:
+                return None
+            if pi == pj and gi and gj:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def view(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    sp = split_dims(e)
+    if c.name in ("view", "reshape") and len(c.args) == 2 and isinstance(c.args[1], torch.dtype):
+        return same(c)
+    if not sp:
+        _no_local_sizes(c)
+        return c.call()
+    target = _view_target(c)
+    ins = [(_BIG + d) if e[d] else int(v) for d, v in enumerate(x.shape)]
+    canon = []
+    for v in target:
+        if isinstance(v, LocalSize) and not v.derived and e[v.origin[0]] == v.origin[1]:
+            canon.append(_BIG + v.origin[0])
+        elif isinstance(v, LocalSize):
+            d, ax = v.origin
+            c.refuse(f"reshapes with {int(v)}, computed from this rank's share of "
+                     f"{_where(d, ax)}", "keep split dims as they are (pass -1 or "
+                     "x.shape[d] there)")
+        else:
+            canon.append(int(v))
+    if canon.count(-1) == 1:
+        known = math.prod(v for v in canon if v != -1)
+        total = math.prod(ins)
+        canon[canon.index(-1)] = total // known if known else 0
+    groups = _groups(ins, canon)
+    out: list = [None] * len(canon)
+    for d in sp:
+        g = None if groups is None else next((g for g in groups if d in g[0]), None)
+        if g is None or len(g[0]) != 1 or len(g[1]) != 1 or canon[g[1][0]] != ins[d]:
+            c.refuse(f"reshapes {_where(d, e[d])}, merging it with other dims or splitting it",
+                     "keep split dims as they are, reshape only whole dims (or "
+                     "redistribute first)")
+        out[g[1][0]] = e[d]
+    real = [x.shape[next(d for d in sp if _BIG + d == v)] if v >= _BIG else v for v in canon]
+    args = (x, real)
+    return c.out(c.call(args=args, kwargs={}), tuple(out))
+
+
+def view_as(c: Call) -> Any:
+    x, other = c.args[0], c.args[1]
+    if c.ent(x) != c.ent(other) or x.ndim != other.ndim:
+        if split_dims(c.ent(x)) or split_dims(c.ent(other)):
+            c.refuse("reshapes between tensors split differently",
+                     "use view(...) with -1 at the split dims")
+    return c.out(c.call(), c.ent(other))
+
+
+def flatten(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    start = _dim(_arg(c, "start_dim", 1, 0), x.ndim) if x.ndim else 0
+    end = _dim(_arg(c, "end_dim", 2, -1), x.ndim) if x.ndim else 0
+    if c.name == "ravel":
+        start, end = 0, max(x.ndim - 1, 0)
+    for d in range(start, end + 1):
+        if e[d] and end > start:
+            c.refuse(f"flattens {_where(d, e[d])} with other dims",
+                     "flatten only whole dims, or reduce (pool) the split dims first")
+    out = e[:start] + ((e[start] if end == start else None),) + e[end + 1:] if x.ndim else ()
+    return c.out(c.call(), out)
+
+
+def unflatten(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    d = _dim(_arg(c, "dim", 1, 0), x.ndim)
+    sizes = _arg(c, "sizes", 2, ())
+    if e[d]:
+        c.refuse(f"splits {_where(d, e[d])} into several dims")
+    return c.out(c.call(), e[:d] + (None,) * len(sizes) + e[d + 1:])
+
+
+def squeeze(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    d = _arg(c, "dim", 1, None)
+    dims = list(range(x.ndim)) if d is None else _dims(d, x.ndim)
+    for k in dims:
+        if e[k]:
+            c.refuse(f"removes size-1 dims, and {_where(k, e[k])}, whose size differs from "
+                     f"rank to rank", "squeeze only whole dims (name them)")
+    res = c.call()
+    keep = [k for k in range(x.ndim) if not (k in dims and x.shape[k] == 1)]
+    return c.out(res, tuple(e[k] for k in keep) if res.ndim == len(keep) else None)
+
+
+def unsqueeze(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    d = int(_arg(c, "dim", 1, 0))
+    d = d % (x.ndim + 1) if d < 0 else d
+    return c.out(c.call(), e[:d] + (None,) + e[d:])
+
+
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53)
+
+
+def permutation(c: Call) -> Any:
+    """permute, transpose, movedim, t, T, mT, ...: follow the dims."""
+    x = c.args[0]
+    e = c.ent(x)
+    if not any(e):
+        return c.call()
+    if x.ndim > len(_PRIMES):
+        c.refuse(f"permutes {x.ndim} dims (at most {len(_PRIMES)} are followed)")
+    probe = torch.empty(_PRIMES[:x.ndim], device="meta")
+    moved = c.run.execute_plain(c.func, (probe,) + tuple(c.args[1:]), c.kwargs)
+    where = [_PRIMES.index(s) for s in moved.shape]
+    return c.out(c.call(), tuple(e[k] for k in where))
+
+
+def expand(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    if c.name == "expand_as":
+        entries = broadcast(c, [x, c.args[1]])
+        return c.out(c.call(), entries)
+    target = list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (tuple, list,
+                                                                            torch.Size)) \
+        else list(c.args[1:]) if c.name == "expand" else list(_arg(c, "size", 1, ()))
+    lead = len(target) - x.ndim
+    for d in split_dims(e):
+        v = target[lead + d]
+        ok = v == -1 or (isinstance(v, LocalSize) and not v.derived and v.origin[0] == d)
+        if not ok:
+            c.refuse(f"expands {_where(d, e[d])} to {int(v)}",
+                     "pass -1 (or x.shape[d]) at split dims")
+    res = c.call()
+    return c.out(res, (None,) * lead + e)
+
+
+def repeat(c: Call) -> Any:
+    x = c.args[0]
+    e = c.ent(x)
+    reps = list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (tuple, list,
+                                                                          torch.Size)) \
+        else list(c.args[1:]) if c.args[1:] else list(_arg(c, "dims", 1, ()))
+    lead = len(reps) - x.ndim
+    if lead < 0:
+        reps = [1] * -lead + reps
+        lead = 0
+    for d in split_dims(e):
+        if int(reps[lead + d]) != 1:
+            c.refuse(f"repeats along {_where(d, e[d])}", "repeat only whole dims")
+    return c.out(c.call(), (None,) * lead + e)
+
+
+def cat(c: Call) -> Any:
+    ts = c.args[0] if c.args else c.kwargs.get("tensors")
+    d = _arg(c, "dim", 1, 0)
+    ts = [t for t in ts if not (t.ndim == 1 and t.shape[0] == 0)]  # torch skips empty 1-d
+    if not ts:
+        return c.call()
+    nd = ts[0].ndim
+    k = _dim(d, nd)
+    es = [c.ent(t) for t in ts]
+    if any(e[k] for e in es):
+        c.refuse(f"concatenates along {_where(k, next(e[k] for e in es if e[k]))}",
+                 "concatenate along whole dims (channels), or redistribute first")
+    if any(e != es[0] for e in es):
+        c.refuse("concatenates tensors split differently (some whole)",
+                 "split all of them the same way")
+    return c.out(c.call(), es[0])
+
+
+def stack(c: Call) -> Any:
+    ts = c.args[0] if c.args else c.kwargs.get("tensors")
+    d = int(_arg(c, "dim", 1, 0))
+    es = [c.ent(t) for t in ts]
+    if any(e != es[0] for e in es):
+        c.refuse("stacks tensors split differently (some whole)",
+                 "split all of them the same way")
+    nd = ts[0].ndim + 1
+    d = d % nd if d < 0 else d
+    return c.out(c.call(), es[0][:d] + (None,) + es[0][d:])
+
+
+def pieces(c: Call) -> Any:
+    """split, chunk, tensor_split, unbind: along one dim."""
+    x = c.args[0]
+    e = c.ent(x)
+    pos = {"unbind": 1}.get(c.name, 2)
+    d = _dim(_arg(c, "dim", pos, 0), x.ndim)
+    if e[d]:
+        c.refuse(f"cuts along {_where(d, e[d])}", "cut whole dims only")
+    res = c.call()
+    one = e[:d] + e[d + 1:] if c.name == "unbind" else e
+    return c.out(res, [one] * len(res))
+
+
+def along_dim(pos: int, what: str, keep: str = "self"):
+    """narrow, select, index_select, gather, scatter, ...: positions along ``dim``."""
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        e = c.ent(x)
+        d = _dim(_arg(c, "dim", pos, 0), x.ndim)
+        if e[d]:
+            c.refuse(f"{what} along {_where(d, e[d])}",
+                     "index whole dims only, or redistribute first")
+        _no_local_sizes(c)
+        res = c.call()
+        if keep == "drop":
+            return c.out(res, e[:d] + e[d + 1:])
+        if keep == "index":
+            idx = c.kwargs.get("index", c.args[pos + 1] if len(c.args) > pos + 1 else None)
+            ie = c.ent(idx) if isinstance(idx, torch.Tensor) else None
+            if ie is not None and any(a and b and a != b for a, b in zip(ie, e)):
+                c.refuse("indexes with an index split otherwise than the input")
+            merged = tuple(a or b for a, b in zip(e, ie)) if ie is not None else e
+            return c.out(res, merged if res.ndim == len(merged) else None)
+        return c.out(res, e if isinstance(res, torch.Tensor) and res.ndim == x.ndim else None)
+    return rule
+
+
+def _index_items(idx: Any) -> tuple:
+    return idx if isinstance(idx, tuple) else (idx,)
+
+
+def getitem(c: Call) -> Any:
+    x, idx = c.args[0], c.args[1]
+    e = c.ent(x)
+    if not any(e):
+        _no_local_sizes_in_index(c, idx)
+        return c.call()
+    items = _index_items(idx)
+    consumed = sum(0 if (v is None or v is Ellipsis) else
+                   (v.ndim if isinstance(v, torch.Tensor) and v.dtype == torch.bool else 1)
+                   for v in items)
+    out: list = []
+    d = 0
+    advanced = 0
+    for v in items:
+        if v is None:
+            out.append(None)
+        elif v is Ellipsis:
+            for _ in range(x.ndim - consumed):
+                out.append(e[d])
+                d += 1
+        elif isinstance(v, slice):
+            if e[d] and not (v.start is None and v.stop is None and v.step is None):
+                hint = ("; a stencil that reads neighbours (x[..., 1:] - x[..., :-1]) gets "
+                        "them with spmd.halo_pad on the shard") if v.step in (None, 1) else ""
+                c.refuse(f"slices {_where(d, e[d])}{hint}",
+                         "keep split dims whole in indexing (':'), or run the stencil on "
+                         "spmd.halo_pad's output in a shard_map body")
+            out.append(e[d])
+            d += 1
+        elif isinstance(v, (bool, int)) and not isinstance(v, torch.Tensor):
+            if e[d]:
+                c.refuse(f"picks one position of {_where(d, e[d])}",
+                         "index whole dims only")
+            d += 1
+        else:  # advanced: a tensor, a list
+            advanced += 1
+            n = v.ndim if isinstance(v, torch.Tensor) and v.dtype == torch.bool else 1
+            for k in range(d, d + n):
+                if e[k]:
+                    c.refuse(f"selects positions of {_where(k, e[k])} with an index",
+                             "index whole dims only")
+            w = v.ndim if isinstance(v, torch.Tensor) and v.dtype != torch.bool else 1
+            out.extend([None] * w)
+            d += n
+    out.extend(e[d:])
+    _no_local_sizes_in_index(c, idx)
+    if advanced > 1:
+        c.refuse("indexes with several index tensors next to split dims",
+                 "index one whole dim at a time")
+    res = c.call()
+    return c.out(res, tuple(out) if isinstance(res, torch.Tensor) and res.ndim == len(out)
+                 else None)
+
+
+def _no_local_sizes_in_index(c: Call, idx: Any) -> None:
+    for v in _index_items(idx):
+        vals = [v.start, v.stop, v.step] if isinstance(v, slice) else [v]
+        for s in vals:
+            if isinstance(s, LocalSize):
+                d, ax = s.origin
+                c.refuse(f"indexes with {int(s)}, this rank's share of {_where(d, ax)}")
+
+
+def setitem(c: Call) -> Any:
+    """``x[idx] = value``: split dims of ``x`` must be indexed whole (':'), and the value
+    split like its destination (or size 1 there)."""
+    x, idx, value = c.args[0], c.args[1], c.args[2]
+    e = c.ent(x)
+    items = _index_items(idx)
+    consumed = sum(0 if (v is None or v is Ellipsis) else 1 for v in items)
+    d = 0
+    for v in items:
+        if v is None:
+            continue
+        if v is Ellipsis:
+            d += x.ndim - consumed
+            continue
+        if d < len(e) and e[d] and not (isinstance(v, slice) and v.start is None and
+                                         v.stop is None and v.step is None):
+            c.refuse(f"writes into part of {_where(d, e[d])}",
+                     "write whole split dims only (':')")
+        d += 1
+    _no_local_sizes_in_index(c, idx)
+    if isinstance(value, torch.Tensor):
+        dest = getitem_entries(Call(c.run, c.func, "__getitem__", (x, idx), {}))
+        ve = c.ent(value)
+        for k in range(value.ndim):
+            t = dest[len(dest) - value.ndim + k] if len(dest) - value.ndim + k >= 0 else None
+            if ve[k] and ve[k] != t:
+                c.refuse("writes a value split otherwise than its destination",
+                         "split the value like the destination")
+            if t and not ve[k] and value.shape[k] != 1:
+                c.refuse(f"writes a whole value along {_where(len(dest) - value.ndim + k, t)}",
+                         "split the value like the destination")
+    return c.call()
+
+
+def plain_index(idx: Any) -> Any:
+    if isinstance(idx, tuple):
+        return tuple(plain_index(v) for v in idx)
+    if isinstance(idx, slice):
+        return slice(plain(idx.start), plain(idx.stop), plain(idx.step))
+    return plain(idx)
+
+
+def getitem_entries(c: Call) -> Entries:
+    """The entries of ``x[idx]`` (no call)."""
+    x, idx = c.args[0], c.args[1]
+    e = c.ent(x)
+    items = _index_items(idx)
+    consumed = sum(0 if (v is None or v is Ellipsis) else 1 for v in items)
+    out, d = [], 0
+    for v in items:
+        if v is None:
+            out.append(None)
+        elif v is Ellipsis:
+            for _ in range(x.ndim - consumed):
+                out.append(e[d])
+                d += 1
+        elif isinstance(v, slice):
+            out.append(e[d])
+            d += 1
+        elif isinstance(v, int):
+            d += 1
+        else:
+            out.append(None)
+            d += 1
+    return tuple(out) + tuple(e[d:])

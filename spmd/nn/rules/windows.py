@@ -1,0 +1,150 @@
+"""Windowed layers with a domain-parallel twin in ``spmd.ops`` (convolutions, pools,
+interpolation, padding; LPPool by its formula) and losses (per position, then ``spmd.reduce``)."""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ... import ops
+from ...transforms.reduction import reduce as _reduce
+from .._tags import spec_of
+from ._base import Call, _no_local_sizes, _where, broadcast, like_input
+
+
+def _twin(real: Callable):
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        e = c.ent(x)
+        if not any(e):
+            return c.call()
+        # A size read from a shard is this rank's, where the twin means a global one
+        # (output_padding excepted: a ConvTranspose layer's is made global beforehand).
+        _no_local_sizes(Call(c.run, c.func, c.name, c.args[:5] + c.args[6:] if
+                             real.__name__.startswith("conv_transpose") else c.args,
+                             {k: v for k, v in c.kwargs.items() if k != "output_padding"}))
+        c.record("swapped", f"-> spmd.ops.{real.__name__}")
+        if c.planning:
+            return c.out(c.call(), like_input(c, x))
+        spec = spec_of(e)
+
+        def run(*args, **kwargs):
+            return real(*args, mesh=c.mesh, spec=spec, **kwargs)
+        return c.out(c.call(run), like_input(c, x))
+    return rule
+
+
+def _indices_twin(real: Callable):
+    """F.max_pool2d_with_indices & co: the twin with return_indices=True."""
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        e = c.ent(x)
+        if not any(e):
+            return c.call()
+        c.record("swapped", f"-> spmd.ops.{real.__name__}(return_indices=True)")
+        if c.planning:
+            return c.out(c.call(), like_input(c, x))
+        spec = spec_of(e)
+
+        def run(*args, **kwargs):
+            kwargs = dict(kwargs)
+            kwargs.pop("return_indices", None)
+            if real.__name__.startswith("adaptive"):
+                return real(args[0], args[1] if len(args) > 1 else kwargs.pop("output_size"),
+                            True, mesh=c.mesh, spec=spec)
+            sig = inspect.signature(F.max_pool2d_with_indices)
+            ba = sig.bind(*args, **kwargs)
+            a = ba.arguments
+            return real(a["input"], a["kernel_size"], a.get("stride"), a.get("padding", 0),
+                        a.get("dilation", 1), a.get("ceil_mode", False), True, mesh=c.mesh,
+                        spec=spec)
+        return c.out(c.call(run), like_input(c, x))
+    return rule
+
+
+def _lp_pool(n: int):
+    avg = {1: ops.avg_pool1d, 2: ops.avg_pool2d, 3: ops.avg_pool3d}[n]
+
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        e = c.ent(x)
+        if not any(e):
+            return c.call()
+        c.record("swapped", f"-> pow, spmd.ops.avg_pool{n}d, pow (lp_pool{n}d's formula)")
+        if c.planning:
+            return c.out(c.call(), like_input(c, x))
+        spec = spec_of(e)
+
+        def run(x, norm_type, kernel_size, stride=None, ceil_mode=False):
+            k = (kernel_size,) * n if isinstance(kernel_size, int) else tuple(kernel_size)
+            out = avg(x.pow(norm_type), kernel_size, stride, 0, ceil_mode, mesh=c.mesh, spec=spec)
+            return (torch.sign(out) * torch.relu(torch.abs(out))).mul(math.prod(k)).pow(
+                1.0 / norm_type)
+        return c.out(c.call(run), like_input(c, x))
+    return rule
+
+
+_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "kl_div", "cross_entropy", "nll_loss"}
+
+
+@functools.cache
+def _signature(func: Callable) -> inspect.Signature:
+    return inspect.signature(func)
+
+
+def loss(c: Call) -> Any:
+    ba = _signature(c.func).bind(*c.args, **c.kwargs)
+    a = ba.arguments
+    inp, tgt = a["input"], a["target"]
+    classes = c.name in ("cross_entropy", "nll_loss") and tgt.ndim == inp.ndim - 1
+    ei, et = c.ent(inp), c.ent(tgt)
+    if classes:
+        if inp.ndim > 1 and ei[1]:
+            c.refuse(f"reads the class scores along {_where(1, ei[1])}",
+                     "keep the class dim whole")
+        body = ei[:1] + ei[2:] if inp.ndim > 1 else ei
+        if et != body and (any(et) or any(body)):
+            c.refuse("the target is not split like the input's positions",
+                     "split input and target the same way")
+        per = body
+    else:
+        per = broadcast(c, [inp, tgt])
+    if a.get("size_average") is not None or a.get("reduce") is not None:
+        if any(per):
+            c.refuse("uses the legacy size_average/reduce arguments", "pass reduction=")
+    reduction = a.get("reduction", "mean")
+    if reduction == "none" or not any(per):
+        return c.out(c.call(), per if reduction == "none" else None)
+    if c.name == "kl_div" and reduction == "batchmean" and per and per[0]:
+        c.refuse(f"divides by the batch size, and {_where(0, per[0])}",
+                 "use reduction='sum' and divide by the global batch size")
+    c.record("swapped", f"-> {c.name}(reduction='none') and spmd.reduce")
+    if c.planning:
+        return c.out(c.call(), None)
+    spec = spec_of(per)
+    ba.arguments["reduction"] = "none"
+    args, kwargs = ba.args, ba.kwargs
+
+    def twin(*_, **__):
+        local = c.func(*args, **kwargs)
+
+        def total(t):
+            return _reduce(t, c.mesh, spec, op="sum")
+        if reduction == "sum":
+            return total(local)
+        if classes:  # the mean over the targets that count, weighted as torch does
+            valid = tgt != a.get("ignore_index", -100)
+            w = a.get("weight")
+            weights = valid.to(local.dtype) if w is None else \
+                w[tgt.clamp(min=0)].to(local.dtype) * valid
+            return total(local) / total(weights)
+        if reduction == "batchmean":
+            return total(local) / inp.shape[0]
+        return _reduce(local, c.mesh, spec, op="mean")
+    return c.out(c.call(twin), None)

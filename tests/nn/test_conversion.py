@@ -1,0 +1,456 @@
+"""spmd.nn.convert follows the whole forward: every call on a split tensor is passed, swapped
+for its twin, or refused on every rank before anything runs; never silently wrong.
+
+Exact cases are compared with ``assert_matches_single_device`` in float64 (values, input
+and parameter gradients; its default tolerance, 1e-10: sharded sums are reordered).
+Refusals are checked for their message (where, the split dim, the fix), for being the
+same on every rank, and for moving no data (``comm_stats``).
+"""
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import spmd
+from spmd import P
+from spmd.testing import assert_matches_single_device
+
+F64 = torch.float64
+H = P(None, None, "sp")  # (N, C, H, W) split along H
+
+
+class Fn(nn.Module):
+    """A module whose forward is ``f(self, x)``, with sub-layers in ``self.layers``."""
+
+    def __init__(self, f, *layers):
+        super().__init__()
+        self.f = f
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return self.f(self, x)
+
+
+def _lin(i, o):
+    return nn.Linear(i, o).double()
+
+
+def _conv(i, o, **kw):
+    return nn.Conv2d(i, o, 3, padding=1, **kw).double()
+
+
+# Each case: (model, outcome): "exact", or a piece of the refusal message.
+CASES = {
+    # the issue's silently wrong cases
+    "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm computes batch statistics over dim 2"),
+    "top-level GroupNorm": (nn.GroupNorm(1, 3), "F.group_norm computes group statistics over dim 2"),
+    "top-level InstanceNorm2d": (nn.InstanceNorm2d(3), "per-instance statistics over dim 2"),
+    "LPPool2d": (nn.LPPool2d(2, 3, 2), "exact"),
+    "Softmax(dim=2)": (nn.Softmax(dim=2), "F.softmax normalises along dim 2, which is split"),
+    "F.interpolate": (Fn(lambda m, x: F.interpolate(x, scale_factor=2, mode="bilinear")), "exact"),
+    "F.max_pool2d": (Fn(lambda m, x: F.max_pool2d(x, 3, 2, 1)), "exact"),
+    "x.mean(dim=(2, 3))": (Fn(lambda m, x: x.mean(dim=(2, 3))), "exact"),
+    "softmax over H": (Fn(lambda m, x: torch.softmax(x, dim=2)), "normalises along dim 2"),
+    "torch.roll": (Fn(lambda m, x: torch.roll(x, 1, dims=2)), "torch.roll shifts values along dim 2"),
+    "finite difference": (Fn(lambda m, x: x[:, :, 1:] - x[:, :, :-1]),
+                          "indexing x[...] slices dim 2, which is split over 'sp'; a stencil"),
+    "spectral layer": (Fn(lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x) * 2, s=x.shape[-2:])),
+                       "torch.fft.rfft2 transforms dim 2"),
+    # more of what real models do
+    "softmax over C": (nn.Softmax(dim=1), "exact"),
+    "mean keepdim": (Fn(lambda m, x: x - x.mean(dim=(2, 3), keepdim=True)), "exact"),
+    "amax over H": (Fn(lambda m, x: x.amax(dim=2)), "exact"),
+    "sum of all": (Fn(lambda m, x: (x ** 2).sum()), "exact"),
+    "squeeze-excite": (Fn(lambda m, x: x * torch.sigmoid(m.layers[0](x.mean((2, 3))))[:, :, None, None],
+                          _lin(3, 3)), "exact"),
+    "reflect conv": (_conv(3, 4, padding_mode="reflect"), "exact"),
+    "Linear on W": (_lin(8, 5), "exact"),
+    "conv on a transpose": (Fn(lambda m, x: m.layers[0](x.transpose(2, 3)).transpose(2, 3),
+                               _conv(3, 3)), "exact"),
+    "cat along C": (Fn(lambda m, x: torch.cat([x, x.relu()], dim=1)), "exact"),
+    "cat along H": (Fn(lambda m, x: torch.cat([x, x], dim=2)), "concatenates along dim 2"),
+    "shape unpacking": (Fn(lambda m, x: (lambda b, c, h, w: x.reshape(b, c, h, w).tanh())(*x.shape)),
+                        "exact"),
+    "view keeping H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1, 4, 2).sum(-1)), "exact"),
+    "flatten of H": (Fn(lambda m, x: x.flatten(1)), "flatten flattens dim 2"),
+    "view merging H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1)),
+                       "reshapes dim 2, which is split over 'sp', merging it with other dims"),
+    "coordinates of a local size": (
+        Fn(lambda m, x: x * torch.linspace(0, 1, x.shape[2], dtype=x.dtype)[:, None]),
+        "torch.linspace builds coordinates from"),
+    "zeros of the shard's shape": (
+        Fn(lambda m, x: x + torch.zeros(*x.shape, dtype=x.dtype)), "exact"),
+    "interpolate to a local size": (
+        Fn(lambda m, x: F.interpolate(x, size=(2 * x.shape[2], x.shape[3]))),
+        "this rank's share of dim 2"),
+    "MSE loss": (Fn(lambda m, x: F.mse_loss(x, torch.ones_like(x) * 0.5)), "exact"),
+    "cross-entropy": (Fn(lambda m, x: F.cross_entropy(x, (x[:, 0] > 0).long(), ignore_index=1)),
+                      "exact"),
+    "eval BatchNorm": (nn.BatchNorm2d(3).eval(), "exact"),
+    "LayerNorm over W": (nn.LayerNorm(8), "exact"),
+    "LayerNorm over H, W": (nn.LayerNorm([15, 8]), "F.layer_norm computes statistics"),
+    "einsum over C": (Fn(lambda m, x: torch.einsum("nchw,dc->ndhw", x, m.layers[0].weight),
+                         _lin(3, 2)), "exact"),
+    "einsum over H": (Fn(lambda m, x: torch.einsum("nchw,nchw->nc", x, x)), "sums over dim 2"),
+    "matmul over W": (Fn(lambda m, x: x @ m.layers[0].weight.t(), _lin(8, 4)), "exact"),
+    "matmul over H": (Fn(lambda m, x: x.transpose(2, 3) @ x), "contracts dim 3"),
+    "attention over H": (Fn(lambda m, x: F.scaled_dot_product_attention(x, x, x)),
+                         "attends over the sequence"),
+    "Flatten layer": (nn.Flatten(), "flatten flattens dim 2"),
+    "PixelShuffle": (Fn(lambda m, x: F.pixel_shuffle(torch.cat([x, x, x, x][:4], 1)[:, :4], 2)),
+                     "moves values between channels and positions"),
+    "a whole positional field": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
+}
+
+
+def _make(name):
+    model, outcome = CASES[name]
+    model = model.double()
+    if name == "a whole positional field":
+        model.pos = nn.Parameter(torch.randn(1, 1, 15, 8, dtype=F64))
+    return model, outcome
+
+
+def _x(seed=0):
+    return torch.randn(2, 3, 15, 8, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_case_is_exact_or_refused_before_anything_runs(name):
+    model, outcome = _make(name)
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = _x()
+    if outcome != "exact":
+        with pytest.raises(spmd.SpecError, match=r"would be wrong on shards") as e:
+            spmd.nn.convert(model, mesh, H, example=x)
+        assert outcome in str(e.value)
+        # without example=, the first forward refuses on every rank, before any transfer
+        conv = spmd.nn.convert(model, mesh, H)
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match="nothing has run"):
+            spmd.shard_map(conv, mesh, H, P())(x)
+        assert stats.calls() == 0
+        return
+    conv = spmd.nn.convert(model, mesh, H, example=x)
+    out = eval(conv.spmd_plan.outputs[0], {"P": P})  # noqa: S307 - the plan's own repr
+    assert_matches_single_device(conv, model, mesh, H, out, x)
+
+
+def _refusal_on_every_rank(mesh, model, x):
+    try:
+        model(x)
+    except spmd.SpecError as e:
+        return str(e)
+
+
+def test_a_refusal_is_the_same_on_every_rank_of_uneven_shards():
+    """Ranks hold 6, 5 and 4 rows: every one raises the same error (decided from the
+    split, never from a rank's size)."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    conv = spmd.nn.convert(Fn(lambda m, x: torch.roll(x, 1, dims=2) + x.mean()), mesh, H)
+    lay = spmd.Layout((2, 3, 15, 8), H, mesh, {2: [6, 5, 4]})
+    x = _x()
+    msgs = spmd.launch(lambda m: _refusal_on_every_rank(m, conv, lay.shard(x, m.rank)),
+                       (3,), ("sp",))
+    assert len(set(msgs)) == 1 and "torch.roll" in msgs[0]
+
+
+def test_the_refusal_names_the_layer_the_line_the_dim_and_the_fix():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = _conv(3, 3)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return y[:, :, 1:] - y[:, :, :-1]  # the line named below
+
+    model = nn.Sequential(_conv(3, 3), Block()).double()
+    with pytest.raises(spmd.SpecError) as e:
+        spmd.nn.convert(model, spmd.Mesh((2,), ("sp",)), H, example=(1, 3, 10, 4))
+    msg = str(e.value)
+    assert "in '1' (test_conversion.py:" in msg
+    assert "slices dim 2, which is split over 'sp'" in msg and "spmd.halo_pad" in msg
+
+
+def test_the_halo_pad_rewrite_of_a_finite_difference_is_exact():
+    """What the refusal points at: the stencil on halo_pad's output, in a shard_map
+    body, equals the one-device difference with a zero row past the end."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = _x(1)
+
+    def local(x):
+        xp = spmd.halo_pad(x, mesh, "sp", 2, (0, 1))
+        return xp[:, :, 1:] - xp[:, :, :-1]
+
+    def whole(x):
+        xp = F.pad(x, (0, 0, 0, 1))
+        return xp[:, :, 1:] - xp[:, :, :-1]
+    assert_matches_single_device(local, whole, mesh, H, H, x)
+
+
+def test_report_prints_the_plan():
+    model = nn.Sequential(_conv(3, 4), nn.ReLU(), nn.GroupNorm(2, 4),
+                          Fn(lambda m, x: F.avg_pool2d(x, 2).mean(dim=(2, 3)))).double()
+    out = io.StringIO()
+    with redirect_stdout(out):
+        conv = spmd.nn.convert(model, spmd.Mesh((2,), ("sp",)), H, example=(2, 3, 10, 6),
+                               report=True)
+    text = out.getvalue()
+    assert "swapped  in '0': torch.conv2d -> spmd.ops.conv2d" in text
+    assert "refused  in '2': F.group_norm computes group statistics over dim 2" in text
+    assert "passed   1 calls on split tensors" in text and "F.relu" in text
+    assert conv.spmd_plan.refused and str(conv.spmd_plan) == text.strip()
+    with pytest.raises(TypeError, match="report=True needs example="):
+        spmd.nn.convert(model, spmd.Mesh((2,), ("sp",)), H, report=True)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(1, 3)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class ShardedBlock(nn.Module):
+    """A hand-made sharded Block: the GroupNorm statistics summed over the mesh."""
+
+    def __init__(self, block, mesh, spec):
+        super().__init__()
+        self.norm, self.mesh = block.norm, mesh
+
+    @classmethod
+    def from_torch(cls, block, mesh, spec):
+        return cls(block, mesh, spec)
+
+    def forward(self, x):
+        n = spmd.psum(torch.tensor(float(x[0].numel()), dtype=x.dtype), "sp")
+        mean = spmd.psum(x.sum((1, 2, 3), keepdim=True), "sp") / n
+        var = spmd.psum(((x - mean) ** 2).sum((1, 2, 3), keepdim=True), "sp") / n
+        y = (x - mean) / torch.sqrt(var + self.norm.eps)
+        return y * self.norm.weight[:, None, None] + self.norm.bias[:, None, None]
+
+
+def test_types_replacements_are_not_looked_into():
+    mesh = spmd.Mesh((3,), ("sp",))
+    model = nn.Sequential(_conv(3, 3), Block(), nn.ReLU()).double()
+    conv = spmd.nn.convert(model, mesh, H, types={Block: ShardedBlock}, example=(2, 3, 15, 8))
+    assert isinstance(conv[1], ShardedBlock)
+    assert [e.kind for e in conv.spmd_plan.entries][:2] == ["swapped", "allowed"]
+    assert_matches_single_device(conv, model, mesh, H, H, _x(), rtol=1e-9, atol=1e-9)
+
+
+def test_spmd_calls_inside_a_converted_forward_are_refused():
+    mesh = spmd.Mesh((2,), ("sp",))
+    model = Fn(lambda m, x: x / spmd.psum(x.sum(), "sp"))
+    conv = spmd.nn.convert(model, mesh, H)
+    with pytest.raises(spmd.SpecError, match=r"psum is called inside the forward of a model "
+                       r"made by spmd.nn.convert.*allow=\(ThatLayer,\)"):
+        spmd.shard_map(conv, mesh, H, H)(_x())
+
+
+def test_an_spmd_nn_layer_with_the_wrong_spec_is_refused():
+    mesh = spmd.Mesh((2,), ("sp",))
+    layer = spmd.nn.Conv2d(3, 3, 3, padding=1, mesh=mesh, spec=P(None, None, None, "sp"))
+    conv = spmd.nn.convert(nn.Sequential(layer).double(), mesh, H)
+    with pytest.raises(spmd.SpecError, match=r"has spec=P\(None, None, None, 'sp'\), but its "
+                       r"input is split as P\(None, None, 'sp'\)"):
+        spmd.shard_map(conv, mesh, H, H)(_x())
+
+
+def test_data_dependent_control_flow_is_followed_at_run_time():
+    """Meta tensors cannot say which branch runs: the plan stops there and the calls
+    that run are checked as they run (the refused branch raises when taken)."""
+    mesh = spmd.Mesh((3,), ("sp",))
+
+    def f(m, x):
+        if x.mean() > 0:  # a replicated mean (spmd.reduce): the same branch on every rank
+            return m.layers[0](x)
+        return torch.roll(x, 1, dims=2)
+    model = Fn(f, _conv(3, 3))
+    conv = spmd.nn.convert(model, mesh, H, example=(2, 3, 15, 8))
+    assert "plan incomplete" in str(conv.spmd_plan)
+    x = _x().abs()
+    assert_matches_single_device(conv, model, mesh, H, H, x)
+    with pytest.raises(spmd.SpecError, match="torch.roll shifts values along dim 2"):
+        spmd.shard_map(conv, mesh, H, H)(-x)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = _conv(3, 2)
+
+    def forward(self, x, y):
+        return self.conv(x) * y.mean(dim=1, keepdim=True)
+
+
+def test_several_inputs_with_their_own_specs_and_a_2d_mesh():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    s = P("dp", None, "sp")
+    model = TwoInputs()
+    conv = spmd.nn.convert(model, mesh, (s, s))
+    x, y = _x(2)[:, :, :9], _x(3)[:, :, :9]
+    assert_matches_single_device(conv, model, mesh, (s, s), s, x, y)
+
+
+def test_bad_arguments():
+    mesh = spmd.Mesh((2,), ("sp",))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        spmd.nn.convert(lambda x: x, mesh, H)
+    with pytest.raises(TypeError, match="mesh must be a spmd.Mesh"):
+        spmd.nn.convert(nn.ReLU(), "sp", H)
+    with pytest.raises(spmd.SpecError, match="'dp' is not an axis"):
+        spmd.nn.convert(nn.ReLU(), mesh, P("dp"))
+    with pytest.raises(TypeError, match="allow takes nn.Module types and functions"):
+        spmd.nn.convert(nn.ReLU(), mesh, H, allow=(3,))
+    with pytest.raises(TypeError, match="example must be a tensor, a shape"):
+        spmd.nn.convert(nn.ReLU(), mesh, H, example=("x",))
+    conv = spmd.nn.convert(nn.ReLU(), mesh, P(None, None, None, None, "sp"))
+    with pytest.raises(spmd.SpecError, match="has 4 dims but its spec"):
+        spmd.shard_map(conv, mesh, H, H)(_x())
+
+
+def test_allowed_functions_pass():
+    mesh = spmd.Mesh((2,), ("sp",))
+    model = Fn(lambda m, x: torch.roll(x, 1, dims=3))  # W is whole: no refusal needed
+    spmd.nn.convert(model, mesh, H, example=(1, 3, 8, 8))
+    model = Fn(lambda m, x: torch.cumsum(x, dim=2))
+    with pytest.raises(spmd.SpecError, match="cumsum mixes values along dim 2"):
+        spmd.nn.convert(model, mesh, H, example=(1, 3, 8, 8))
+    conv = spmd.nn.convert(model, mesh, H, example=(1, 3, 8, 8), allow=(torch.cumsum,))
+    assert [e.kind for e in conv.spmd_plan.entries] == ["allowed"]
+
+
+# -- random models from a menu: exact, or refused; never silently wrong --------------------------
+
+def _menu(split_dim: int):
+    """Steps (name, layer or function, mixes along the split dim?)."""
+    other = 5 - split_dim
+    return {
+        "conv": lambda c: (_conv(c, c), False),
+        "conv stride 2": lambda c: (nn.Conv2d(c, c, 3, stride=2, padding=1).double(), False),
+        "reflect conv": lambda c: (_conv(c, c, padding_mode="reflect"), False),
+        "max pool": lambda c: (nn.MaxPool2d(2, ceil_mode=True), False),
+        "avg pool": lambda c: (Fn(lambda m, x: F.avg_pool2d(x, 3, 1, 1)), False),
+        "upsample": lambda c: (nn.Upsample(scale_factor=2, mode="bilinear"), False),
+        "group norm": lambda c: (nn.GroupNorm(1, c).double(), True),
+        "batch norm": lambda c: (nn.BatchNorm2d(c).double(), True),
+        "gelu": lambda c: (nn.GELU(), False),
+        "residual": lambda c: (Fn(lambda m, x: x + m.layers[0](x), _conv(c, c)), False),
+        "cat channels": lambda c: (Fn(lambda m, x: m.layers[0](torch.cat([x, x.tanh()], 1)),
+                                      nn.Conv2d(2 * c, c, 1).double()), False),
+        "mean over H, W": lambda c: (Fn(lambda m, x: x - x.mean((2, 3), keepdim=True)), False),
+        "mean over C": lambda c: (Fn(lambda m, x: x - x.mean(1, keepdim=True)), False),
+        "roll split": lambda c: (Fn(lambda m, x: torch.roll(x, 1, split_dim)), True),
+        "roll whole": lambda c: (Fn(lambda m, x: torch.roll(x, 1, other)), False),
+        "diff split": lambda c: (Fn(lambda m, x: torch.diff(x, dim=split_dim)), True),
+        "softmax C": lambda c: (nn.Softmax(dim=1), False),
+        "softmax split": lambda c: (nn.Softmax(dim=split_dim), True),
+        "transposed conv": lambda c: (nn.ConvTranspose2d(c, c, 2, stride=2).double(), False),
+        "reflect pad": lambda c: (Fn(lambda m, x: F.pad(x, (1, 2, 2, 1), mode="reflect")), False),
+        "linear on channels": lambda c: (Fn(lambda m, x: m.layers[0](x.permute(0, 2, 3, 1))
+                                            .permute(0, 3, 1, 2), _lin(c, c)), False),
+        "squeeze-excite": lambda c: (Fn(lambda m, x: x * torch.sigmoid(
+            m.layers[0](x.mean((2, 3))))[:, :, None, None], _lin(c, c)), False),
+        "cumsum split": lambda c: (Fn(lambda m, x: x.cumsum(split_dim)), True),
+        "cumsum whole": lambda c: (Fn(lambda m, x: x.cumsum(other)), False),
+    }
+
+
+@settings(max_examples=25)
+@given(steps=st.lists(st.sampled_from(sorted(_menu(2))), min_size=1, max_size=4),
+       split=st.sampled_from([2, 3]), ranks=st.sampled_from([2, 3]),
+       hw=st.tuples(st.integers(7, 12), st.integers(7, 12)), seed=st.integers(0, 3))
+def test_random_models_are_exact_or_refused(steps, split, ranks, hw, seed):
+    torch.manual_seed(seed)
+    menu = _menu(split)
+    layers, mixes = [], False
+    for s in steps:
+        layer, m = menu[s](2)
+        layers.append(layer)
+        mixes |= m
+    model = nn.Sequential(*layers).double()
+    spec = P(*([None] * split), "sp")
+    mesh = spmd.Mesh((ranks,), ("sp",))
+    x = torch.randn(2, 2, *hw, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    try:
+        model(x)
+    except RuntimeError:  # torch refuses it on one device (a pad wider than the input):
+        with pytest.raises((RuntimeError, ValueError)):  # so must every rank
+            spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, spec)(x)
+        return
+    try:
+        conv = spmd.nn.convert(model, mesh, spec, example=x)
+    except spmd.SpecError as e:
+        assert mixes, f"refused a model that is exact on shards: {steps}\n{e}"
+        return
+    assert not mixes, f"accepted a model that mixes along the split dim: {steps}"
+    out = eval(conv.spmd_plan.outputs[0], {"P": P})  # noqa: S307
+    assert_matches_single_device(conv, model, mesh, spec, out, x)
+
+
+# -- training: a model written only with torch.nn.functional calls ------------------------------
+
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 1, 3, 3, dtype=F64) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(4, 4, 3, 3, dtype=F64) * 0.3)
+        self.w3 = nn.Parameter(torch.randn(1, 8, 1, 1, dtype=F64) * 0.3)
+        self.gate = nn.Parameter(torch.randn(4, 4, dtype=F64) * 0.3)
+
+    def forward(self, x):
+        h = F.gelu(F.conv2d(x, self.w1, padding=1))
+        d = F.max_pool2d(h, 2)
+        d = F.silu(F.conv2d(F.pad(d, (1, 1, 1, 1), mode="circular"), self.w2))
+        g = torch.sigmoid(d.mean(dim=(2, 3)) @ self.gate)[:, :, None, None]
+        u = F.interpolate(d * g, scale_factor=2, mode="nearest")
+        return F.conv2d(torch.cat([u, h], dim=1), self.w3)
+
+
+def test_a_functional_model_trains_like_one_device():
+    """F.conv2d, F.max_pool2d, circular F.pad, a mean over H and W, F.interpolate and a
+    cat, written as functions: converted, with F.mse_loss inside the converted module
+    (spmd.reduce under it), 3 SGD steps equal one device."""
+    torch.manual_seed(0)
+    plain = Functional()
+
+    class WithLoss(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x, t):
+            return F.mse_loss(self.net(x), t)
+
+    mesh = spmd.Mesh((3,), ("sp",))
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 1, 14, 6, generator=g, dtype=F64), torch.randn(2, 1, 14, 6, generator=g,
+                                                                        dtype=F64)
+    one = WithLoss(plain)
+    sharded = spmd.nn.convert(WithLoss(plain), mesh, (H, H), example=(x, t))
+    assert {e.call for e in sharded.spmd_plan.swapped} >= {"torch.conv2d", "F.max_pool2d", "F.pad",
+                                                          "F.interpolate", "F.mse_loss", "mean"}
+    opt1 = torch.optim.SGD(one.parameters(), lr=0.05)
+    opt2 = torch.optim.SGD(sharded.parameters(), lr=0.05)
+    for _ in range(3):
+        opt1.zero_grad()
+        opt2.zero_grad()
+        l1 = one(x, t)
+        l2 = spmd.shard_map(sharded, mesh, (H, H), P())(x, t)
+        l1.backward()
+        l2.backward()
+        opt1.step()
+        opt2.step()
+        torch.testing.assert_close(l2, l1, rtol=1e-10, atol=1e-10)
+    for (n, a), b in zip(sharded.named_parameters(), one.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=n)
