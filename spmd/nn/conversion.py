@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P, as_spec
 from . import entry, interpreter
@@ -37,7 +38,8 @@ UNSAFE: tuple[type[nn.Module], ...] = (
 
 def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             types: Mapping[type[nn.Module], type] | None = None,
-            allow: Iterable[Any] = (), report: bool = False) -> nn.Module:
+            allow: Iterable[Any] = (), report: bool = False,
+            strict: bool = False) -> nn.Module:
     """A copy of ``model`` whose forward, given this rank's shards of inputs laid out by
     ``spec``, computes this rank's shards of what ``model`` computes on the whole inputs:
     exactly, or it raises a ``SpecError`` on every rank before anything runs.
@@ -77,6 +79,10 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             their outputs are split like their first input.
         report: print the plan (needs ``example``) instead of raising on refusals, which
             then raise when the forward runs.
+        strict: raise where the plan cannot cover the whole forward (a branch on data,
+            which meta tensors do not have; a layer not looked into that calls spmd
+            functions), instead of checking the rest call by call as it runs. Every call
+            is checked either way; strict makes every refusal come before anything runs.
 
     Raises:
         SpecError: a call that would be wrong on shards (with ``example``, or at the first
@@ -129,7 +135,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             for parent, name, twin in swaps:
                 setattr(parent, name, twin)
     cfg = entry.Config(mesh, spec, type(new).__name__, allow_types, allow_funcs,
-                             replaced)
+                       replaced, strict)
 
     def opaque(m: nn.Module) -> bool:
         return isinstance(m, allow_types + replaced + (_Sharded,))
@@ -142,6 +148,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             print(plan)
         elif plan.refused:
             raise plan.error()
+        elif strict and plan.incomplete:
+            raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
+                            f"short: {plan.incomplete}")
     return new
 
 

@@ -32,15 +32,16 @@ class Config:
     plans made so far (one per input signature)."""
 
     def __init__(self, mesh: Mesh, spec: Any, name: str, allow_types: tuple,
-                 allow_funcs: frozenset, opaque: tuple):
+                 allow_funcs: frozenset, opaque: tuple, strict: bool = False):
         self.mesh, self.spec, self.name = mesh, spec, name
         self.allow_types, self.allow_funcs, self.opaque = allow_types, allow_funcs, opaque
+        self.strict = strict
         self.plans: dict[tuple, Plan] = {}
         self._lock = threading.Lock()
 
     def __deepcopy__(self, memo: dict) -> Config:
         new = Config(self.mesh, self.spec, self.name, self.allow_types, self.allow_funcs,
-                     self.opaque)
+                     self.opaque, self.strict)
         new.plans = dict(self.plans)
         return new
 
@@ -169,6 +170,9 @@ class Enter:
         plan = self.cfg.planned(module, self.path, args, kwargs)
         if plan.refused:
             raise plan.error()
+        if self.cfg.strict and plan.incomplete:
+            raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
+                            f"short: {plan.incomplete}")
         run = _Run(self.cfg, planning=False)
         run.start()
         frame.run = run

@@ -282,6 +282,12 @@ def test_data_dependent_control_flow_is_followed_at_run_time():
     assert_matches_single_device(conv, model, mesh, H, H, x)
     with pytest.raises(spmd.SpecError, match="torch.roll shifts values along dim 2"):
         spmd.shard_map(conv, mesh, H, H)(-x)
+    with pytest.raises(spmd.SpecError, match=r"strict=True\): the plan of Fn's forward stops "
+                       r"short: RuntimeError"):
+        spmd.nn.convert(model, mesh, H, example=(2, 3, 15, 8), strict=True)
+    strict = spmd.nn.convert(model, mesh, H, strict=True)
+    with pytest.raises(spmd.SpecError, match="stops short"):
+        spmd.shard_map(strict, mesh, H, H)(x)
 
 
 class TwoInputs(nn.Module):
@@ -363,6 +369,10 @@ def _menu(split_dim: int):
             m.layers[0](x.mean((2, 3))))[:, :, None, None], _lin(c, c)), False),
         "cumsum split": lambda c: (Fn(lambda m, x: x.cumsum(split_dim)), True),
         "cumsum whole": lambda c: (Fn(lambda m, x: x.cumsum(other)), False),
+        "slice split": lambda c: (Fn(lambda m, x: x.narrow(split_dim, 1, x.shape[split_dim] - 1)
+                                     - x.narrow(split_dim, 0, x.shape[split_dim] - 1)), True),
+        "slice whole": lambda c: (Fn(lambda m, x: x[..., 1:] - x[..., :-1] if other == 3 else
+                                     x[:, :, 1:] - x[:, :, :-1]), False),
     }
 
 
