@@ -239,6 +239,9 @@ class _Run:
             return res
         if not split:
             return self.execute(func, args, kwargs)
+        if not args and "input" in kwargs:  # F.conv2d(input=x, ...): rules read args[0]
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("input"),)
         name = rules.op_name(func)
         c = rules.Call(self, func, name, args, kwargs)
         if func in self.cfg.allow_funcs:

@@ -107,6 +107,14 @@ CASES = {
     "PixelShuffle": (Fn(lambda m, x: F.pixel_shuffle(torch.cat([x, x, x, x][:4], 1)[:, :4], 2)),
                      "moves values between channels and positions"),
     "a whole positional field": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
+    "a mean by hand": (Fn(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])),
+                       "this rank's share of dim 2"),
+    "vector norm of all": (Fn(lambda m, x: x / torch.linalg.vector_norm(x, 2)),
+                           "reduces over dim 2, which is split over 'sp' and has no"),
+    "torch.where(cond)": (Fn(lambda m, x: torch.stack(torch.where(x > 0)).sum() + x),
+                          "lists the positions of nonzero values"),
+    "conv2d(input=)": (Fn(lambda m, x: F.conv2d(input=x, weight=m.layers[0].weight, padding=1),
+                          _conv(3, 2)), "exact"),
 }
 
 

@@ -17,12 +17,12 @@ _REDUCE_OP = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}
 def reduction(c: Call) -> Any:
     x = c.args[0]
     name = c.name
-    pos = 2 if name in ("norm", "quantile", "nanquantile") else 1
+    pos = 2 if name in ("norm", "quantile", "nanquantile", "linalg_vector_norm") else 1
     if name in ("max", "min") and len(c.args) > 1 and isinstance(c.args[1], torch.Tensor):
         return pointwise(c)  # torch.max(a, b): elementwise
     if name in ("max", "min") and "other" in c.kwargs:
         return pointwise(c)
-    dim = _arg(c, "dim", pos, None)
+    dim = _arg(c, "dim", pos, -1 if name == "mode" else None)
     if name in ("max", "min") and dim is None:
         name = "amax" if name == "max" else "amin"
     keepdim = bool(_arg(c, "keepdim", pos + 1 if name not in ("var", "std") else 3, False))

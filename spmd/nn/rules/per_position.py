@@ -11,6 +11,11 @@ from ._base import Call, _arg, _dim, _no_local_sizes, _split, _tensors, _where, 
 
 
 def pointwise(c: Call) -> Any:
+    if c.name == "where" and len(c.args) + len(c.kwargs) == 1:  # torch.where(cond): positions
+        x = c.args[0] if c.args else next(iter(c.kwargs.values()))
+        if _split(c, x):
+            c.refuse("lists the positions of nonzero values")
+        return c.call()
     ts = _tensors(c)
     entries = broadcast(c, ts)
     _no_local_sizes(c)
