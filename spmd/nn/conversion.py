@@ -57,6 +57,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       ``torch.roll``, slicing or ``cat`` along it, ``flatten`` of it, a matmul over it,
       attention, an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
 
+    Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
+    rank's rows) and the backward of a user's ``torch.autograd.Function``.
+
     Before the first call with a given input signature, the forward runs once on meta
     tensors (no memory, no communication) to make the plan; a refusal there raises on
     every rank alike before anything runs. ``model.spmd_plan`` is the latest plan.
