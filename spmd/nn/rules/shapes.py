@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .._tags import Entries, LocalSize, plain, split_dims
+from .._tags import Entries, LocalSize, split_dims
 from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast
 from .per_position import same
 
@@ -274,12 +274,9 @@ def _index_items(idx: Any) -> tuple:
     return idx if isinstance(idx, tuple) else (idx,)
 
 
-def getitem(c: Call) -> Any:
-    x, idx = c.args[0], c.args[1]
+def _index_entries(c: Call, x: torch.Tensor, idx: Any, writes: bool) -> Entries:
+    """The entries of ``x[idx]``; refuses indexing that picks positions of a split dim."""
     e = c.ent(x)
-    if not any(e):
-        _no_local_sizes_in_index(c, idx)
-        return c.call()
     items = _index_items(idx)
     consumed = sum(0 if (v is None or v is Ellipsis) else
                    (v.ndim if isinstance(v, torch.Tensor) and v.dtype == torch.bool else 1)
@@ -296,6 +293,9 @@ def getitem(c: Call) -> Any:
                 d += 1
         elif isinstance(v, slice):
             if e[d] and not (v.start is None and v.stop is None and v.step is None):
+                if writes:
+                    c.refuse(f"writes into part of {_where(d, e[d])}",
+                             "write whole split dims only (':')")
                 hint = ("; a stencil that reads neighbours (x[..., 1:] - x[..., :-1]) gets "
                         "them with spmd.halo_pad on the shard") if v.step in (None, 1) else ""
                 c.refuse(f"slices {_where(d, e[d])}{hint}",
@@ -305,8 +305,7 @@ def getitem(c: Call) -> Any:
             d += 1
         elif isinstance(v, (bool, int)) and not isinstance(v, torch.Tensor):
             if e[d]:
-                c.refuse(f"picks one position of {_where(d, e[d])}",
-                         "index whole dims only")
+                c.refuse(f"picks one position of {_where(d, e[d])}", "index whole dims only")
             d += 1
         else:  # advanced: a tensor, a list
             advanced += 1
@@ -318,14 +317,18 @@ def getitem(c: Call) -> Any:
             w = v.ndim if isinstance(v, torch.Tensor) and v.dtype != torch.bool else 1
             out.extend([None] * w)
             d += n
-    out.extend(e[d:])
-    _no_local_sizes_in_index(c, idx)
-    if advanced > 1:
+    if advanced > 1 and any(e):
         c.refuse("indexes with several index tensors next to split dims",
                  "index one whole dim at a time")
+    _no_local_sizes_in_index(c, idx)
+    return tuple(out) + tuple(e[d:])
+
+
+def getitem(c: Call) -> Any:
+    x, idx = c.args[0], c.args[1]
+    out = _index_entries(c, x, idx, writes=False)
     res = c.call()
-    return c.out(res, tuple(out) if isinstance(res, torch.Tensor) and res.ndim == len(out)
-                 else None)
+    return c.out(res, out if isinstance(res, torch.Tensor) and res.ndim == len(out) else None)
 
 
 def _no_local_sizes_in_index(c: Call, idx: Any) -> None:
@@ -341,64 +344,16 @@ def setitem(c: Call) -> Any:
     """``x[idx] = value``: split dims of ``x`` must be indexed whole (':'), and the value
     split like its destination (or size 1 there)."""
     x, idx, value = c.args[0], c.args[1], c.args[2]
-    e = c.ent(x)
-    items = _index_items(idx)
-    consumed = sum(0 if (v is None or v is Ellipsis) else 1 for v in items)
-    d = 0
-    for v in items:
-        if v is None:
-            continue
-        if v is Ellipsis:
-            d += x.ndim - consumed
-            continue
-        if d < len(e) and e[d] and not (isinstance(v, slice) and v.start is None and
-                                         v.stop is None and v.step is None):
-            c.refuse(f"writes into part of {_where(d, e[d])}",
-                     "write whole split dims only (':')")
-        d += 1
-    _no_local_sizes_in_index(c, idx)
+    dest = _index_entries(c, x, idx, writes=True)
     if isinstance(value, torch.Tensor):
-        dest = getitem_entries(Call(c.run, c.func, "__getitem__", (x, idx), {}))
         ve = c.ent(value)
         for k in range(value.ndim):
-            t = dest[len(dest) - value.ndim + k] if len(dest) - value.ndim + k >= 0 else None
+            d = len(dest) - value.ndim + k
+            t = dest[d] if d >= 0 else None
             if ve[k] and ve[k] != t:
                 c.refuse("writes a value split otherwise than its destination",
                          "split the value like the destination")
             if t and not ve[k] and value.shape[k] != 1:
-                c.refuse(f"writes a whole value along {_where(len(dest) - value.ndim + k, t)}",
+                c.refuse(f"writes a whole value along {_where(d, t)}",
                          "split the value like the destination")
     return c.call()
-
-
-def plain_index(idx: Any) -> Any:
-    if isinstance(idx, tuple):
-        return tuple(plain_index(v) for v in idx)
-    if isinstance(idx, slice):
-        return slice(plain(idx.start), plain(idx.stop), plain(idx.step))
-    return plain(idx)
-
-
-def getitem_entries(c: Call) -> Entries:
-    """The entries of ``x[idx]`` (no call)."""
-    x, idx = c.args[0], c.args[1]
-    e = c.ent(x)
-    items = _index_items(idx)
-    consumed = sum(0 if (v is None or v is Ellipsis) else 1 for v in items)
-    out, d = [], 0
-    for v in items:
-        if v is None:
-            out.append(None)
-        elif v is Ellipsis:
-            for _ in range(x.ndim - consumed):
-                out.append(e[d])
-                d += 1
-        elif isinstance(v, slice):
-            out.append(e[d])
-            d += 1
-        elif isinstance(v, int):
-            d += 1
-        else:
-            out.append(None)
-            d += 1
-    return tuple(out) + tuple(e[d:])

@@ -17,53 +17,50 @@ from .._tags import spec_of
 from ._base import Call, _no_local_sizes, _where, broadcast, like_input
 
 
+def _swap(c: Call, detail: str, make: Callable[[Any], Callable]) -> Any:
+    """Run ``c`` as its twin where its input is split: ``make(spec)`` gives a function
+    with the intercepted function's arguments (the plan runs the plain one on meta)."""
+    x = c.args[0]
+    e = c.ent(x)
+    if not any(e):
+        return c.call()
+    c.record("swapped", detail)
+    if c.planning:
+        return c.out(c.call(), like_input(c, x))
+    return c.out(c.call(make(spec_of(e))), like_input(c, x))
+
+
 def _twin(real: Callable):
     def rule(c: Call) -> Any:
-        x = c.args[0]
-        e = c.ent(x)
-        if not any(e):
-            return c.call()
         # A size read from a shard is this rank's, where the twin means a global one
         # (output_padding excepted: a ConvTranspose layer's is made global beforehand).
-        _no_local_sizes(Call(c.run, c.func, c.name, c.args[:5] + c.args[6:] if
-                             real.__name__.startswith("conv_transpose") else c.args,
-                             {k: v for k, v in c.kwargs.items() if k != "output_padding"}))
-        c.record("swapped", f"-> spmd.ops.{real.__name__}")
-        if c.planning:
-            return c.out(c.call(), like_input(c, x))
-        spec = spec_of(e)
+        if any(c.ent(c.args[0])):
+            _no_local_sizes(Call(c.run, c.func, c.name, c.args[:5] + c.args[6:] if
+                                 real.__name__.startswith("conv_transpose") else c.args,
+                                 {k: v for k, v in c.kwargs.items() if k != "output_padding"}))
 
-        def run(*args, **kwargs):
-            return real(*args, mesh=c.mesh, spec=spec, **kwargs)
-        return c.out(c.call(run), like_input(c, x))
+        def make(spec):
+            return lambda *args, **kwargs: real(*args, mesh=c.mesh, spec=spec, **kwargs)
+        return _swap(c, f"-> spmd.ops.{real.__name__}", make)
     return rule
 
 
 def _indices_twin(real: Callable):
     """F.max_pool2d_with_indices & co: the twin with return_indices=True."""
     def rule(c: Call) -> Any:
-        x = c.args[0]
-        e = c.ent(x)
-        if not any(e):
-            return c.call()
-        c.record("swapped", f"-> spmd.ops.{real.__name__}(return_indices=True)")
-        if c.planning:
-            return c.out(c.call(), like_input(c, x))
-        spec = spec_of(e)
-
-        def run(*args, **kwargs):
-            kwargs = dict(kwargs)
-            kwargs.pop("return_indices", None)
-            if real.__name__.startswith("adaptive"):
-                return real(args[0], args[1] if len(args) > 1 else kwargs.pop("output_size"),
-                            True, mesh=c.mesh, spec=spec)
-            sig = inspect.signature(F.max_pool2d_with_indices)
-            ba = sig.bind(*args, **kwargs)
-            a = ba.arguments
-            return real(a["input"], a["kernel_size"], a.get("stride"), a.get("padding", 0),
-                        a.get("dilation", 1), a.get("ceil_mode", False), True, mesh=c.mesh,
-                        spec=spec)
-        return c.out(c.call(run), like_input(c, x))
+        def make(spec):
+            def run(*args, **kwargs):
+                kwargs = dict(kwargs)
+                kwargs.pop("return_indices", None)
+                if real.__name__.startswith("adaptive"):
+                    size = args[1] if len(args) > 1 else kwargs.pop("output_size")
+                    return real(args[0], size, True, mesh=c.mesh, spec=spec)
+                a = _signature(F.max_pool2d_with_indices).bind(*args, **kwargs).arguments
+                return real(a["input"], a["kernel_size"], a.get("stride"), a.get("padding", 0),
+                            a.get("dilation", 1), a.get("ceil_mode", False), True,
+                            mesh=c.mesh, spec=spec)
+            return run
+        return _swap(c, f"-> spmd.ops.{real.__name__}(return_indices=True)", make)
     return rule
 
 
@@ -71,21 +68,15 @@ def _lp_pool(n: int):
     avg = {1: ops.avg_pool1d, 2: ops.avg_pool2d, 3: ops.avg_pool3d}[n]
 
     def rule(c: Call) -> Any:
-        x = c.args[0]
-        e = c.ent(x)
-        if not any(e):
-            return c.call()
-        c.record("swapped", f"-> pow, spmd.ops.avg_pool{n}d, pow (lp_pool{n}d's formula)")
-        if c.planning:
-            return c.out(c.call(), like_input(c, x))
-        spec = spec_of(e)
-
-        def run(x, norm_type, kernel_size, stride=None, ceil_mode=False):
-            k = (kernel_size,) * n if isinstance(kernel_size, int) else tuple(kernel_size)
-            out = avg(x.pow(norm_type), kernel_size, stride, 0, ceil_mode, mesh=c.mesh, spec=spec)
-            return (torch.sign(out) * torch.relu(torch.abs(out))).mul(math.prod(k)).pow(
-                1.0 / norm_type)
-        return c.out(c.call(run), like_input(c, x))
+        def make(spec):
+            def run(x, norm_type, kernel_size, stride=None, ceil_mode=False):
+                k = (kernel_size,) * n if isinstance(kernel_size, int) else tuple(kernel_size)
+                out = avg(x.pow(norm_type), kernel_size, stride, 0, ceil_mode, mesh=c.mesh,
+                          spec=spec)
+                return (torch.sign(out) * torch.relu(torch.abs(out))).mul(math.prod(k)).pow(
+                    1.0 / norm_type)
+            return run
+        return _swap(c, f"-> pow, spmd.ops.avg_pool{n}d, pow (lp_pool{n}d's formula)", make)
     return rule
 
 
