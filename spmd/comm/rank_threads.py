@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..core._context import RankContext
-from ..core.errors import CommAborted, CommTimeout, tag_rank
+from ..core.errors import CommAborted, CommTimeout, check_timeout, tag_rank
 from ..core.mesh import Mesh
 from . import comm_of
 
@@ -32,7 +32,7 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
     pending collectives so no rank waits forever, and is re-raised here tagged with
     its rank.
     """
-    timeout = mesh.timeout if timeout is None else timeout
+    timeout = mesh.timeout if timeout is None else check_timeout(timeout, "run_on_threads")
     batch = _Batch(mesh, fn, mesh.size - 1)
     workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
                else _take_workers(mesh.size - 1))

@@ -4,7 +4,11 @@ Every error names what was expected, what was given, and how to fix it.
 """
 from __future__ import annotations
 
-__all__ = ["SpecError", "CommTimeout", "CommError", "CommAborted", "tag_rank"]
+import math
+import threading
+
+__all__ = ["SpecError", "CommTimeout", "CommError", "CommAborted", "tag_rank",
+           "check_timeout"]
 
 
 class SpecError(ValueError):
@@ -45,3 +49,20 @@ def tag_rank(exc: BaseException, rank: int) -> BaseException:
     elif hasattr(exc, "add_note"):
         exc.add_note(f"raised on rank {rank}")
     return exc
+
+
+def check_timeout(value: object, what: str) -> float:
+    """``value`` as a timeout in seconds: a finite positive number no larger than what the
+    waits of threads and process groups take (``threading.TIMEOUT_MAX``).
+
+    NaN never expires (a wait hangs), infinity overflows them, zero and negatives expire
+    at once: each is refused here, before anything waits.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: timeout must be a number of seconds, got "
+                        f"{type(value).__name__} {value!r}")
+    v = float(value)
+    if math.isnan(v) or not 0 < v <= threading.TIMEOUT_MAX:
+        raise SpecError(f"{what}: timeout must be a positive, finite number of seconds (at "
+                        f"most {threading.TIMEOUT_MAX:.3g}), got {value!r}")
+    return v

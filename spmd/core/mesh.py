@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SpecError
+from .errors import SpecError, check_timeout
 
 __all__ = ["Mesh", "Group"]
 
@@ -88,7 +88,8 @@ class Mesh:
         self.axis_names: tuple[str, ...] = axis_names
         self.backend: str = backend
         self.size: int = math.prod(shape)
-        self.timeout: float = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        self.timeout: float = DEFAULT_TIMEOUT if timeout is None else \
+            check_timeout(timeout, f"Mesh{shape}")
         self._device = None if device is None else torch.device(device)
         self._groups: dict[tuple, Group] = {}
         # The backend's communicator: spmd.comm.comm_of builds it on first use and keeps

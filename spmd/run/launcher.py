@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..comm.rank_threads import run_on_threads
-from ..core.errors import SpecError
+from ..core.errors import SpecError, check_timeout
 from ..core.mesh import Mesh
 
 __all__ = ["launch"]
@@ -40,6 +40,7 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
         >>> spmd.launch(body, (4,), ("sp",))
         [6.0, 6.0, 6.0, 6.0]
     """
+    timeout = check_timeout(timeout, "launch")
     if backend == "threads":
         mesh = Mesh(mesh_shape, axis_names, backend="threads", timeout=timeout)
         # Threads of their own that end with the run: launch leaves nothing behind.

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
-from ..core.errors import CommAborted, CommTimeout, SpecError, tag_rank
+from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, tag_rank
 
 __all__ = ["ProcessPool", "launch_processes"]
 
@@ -71,9 +71,9 @@ class ProcessPool:
         if not isinstance(world, int) or world < 1:
             raise SpecError(f"ProcessPool: world must be a positive int, got {world!r}")
         self.world = world
-        self.timeout = float(timeout)
-        self.slack = float(slack)
-        self.start_timeout = float(start_timeout)
+        self.timeout = check_timeout(timeout, "ProcessPool")
+        self.slack = check_timeout(slack, "ProcessPool: slack")
+        self.start_timeout = check_timeout(start_timeout, "ProcessPool: start_timeout")
         self._procs: list = []
         self._conns: list = []
         self._store = None
@@ -165,7 +165,7 @@ class ProcessPool:
         if math.prod(shape) != self.world:
             raise SpecError(f"mesh shape {shape} has {math.prod(shape)} ranks but the pool has "
                             f"{self.world} processes")
-        timeout = self.timeout if timeout is None else float(timeout)
+        timeout = self.timeout if timeout is None else check_timeout(timeout, "ProcessPool.run")
         try:
             payload = pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import spmd
 from spmd import Mesh, SpecError
 from spmd.core.mesh import Group, coords_of
 
@@ -350,3 +351,25 @@ def test_rank_inside_a_rank_context():
     other = Mesh((2, 2), ("dp", "sp"))
     with RankContext(m, 2), pytest.raises(SpecError, match="shard_map"):
         other.rank  # noqa: B018
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1.0, 1e300])
+def test_timeouts_that_never_expire_overflow_or_expire_at_once_are_refused(bad):
+    """NaN hung every wait, inf and 1e300 overflowed them, 0 and negatives timed out at
+    once (reliability issue, item 12)."""
+    with pytest.raises(SpecError, match=r"timeout must be a positive, finite number of seconds"):
+        Mesh((2,), ("sp",), timeout=bad)
+    with pytest.raises(SpecError, match=r"^launch: timeout must be"):
+        spmd.launch(lambda mesh: None, (2,), ("sp",), timeout=bad)
+    from spmd.run.processes import ProcessPool
+    with pytest.raises(SpecError, match=r"^ProcessPool: timeout must be"):
+        ProcessPool(2, timeout=bad)
+
+
+@pytest.mark.parametrize("bad", ["3", True, None])
+def test_a_timeout_must_be_a_number(bad):
+    if bad is None:
+        assert Mesh((2,), ("sp",), timeout=None).timeout == 300.0  # None: the default
+        return
+    with pytest.raises(TypeError, match=r"timeout must be a number of seconds, got"):
+        Mesh((2,), ("sp",), timeout=bad)
