@@ -400,6 +400,17 @@ class _State:
 
 
 def _same_py(a: Any, b: Any) -> bool:
+    """Whether two non-tensor outputs are the same value (NaN equal to NaN: every rank
+    computing NaN agrees)."""
+    if type(a) is not type(b):
+        return False
+    if hasattr(a, "__array__") and hasattr(a, "shape") and hasattr(a, "dtype"):
+        import numpy as np  # numpy arrays (and the like): compared as arrays, not by ==
+        a, b = np.asarray(a), np.asarray(b)
+        return a.shape == b.shape and a.dtype == b.dtype and bool(
+            np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, float) and a != a and b != b:
+        return True
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - incomparable values count as different
@@ -486,10 +497,17 @@ def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
                  lay: Layout) -> None:
     if a.shape == b.shape and torch.equal(a, b):
         return
+    if a.shape != b.shape:
+        raise SpecError(
+            f"shard_map(check_rep=True): {where} is claimed replicated over "
+            f"{list(lay.replicated_axes)} by out_specs {lay.spec!r}, but it is "
+            f"{tuple(a.shape)} on rank {ra} and {tuple(b.shape)} on rank {rb}")
     diff = (a != b)
-    if a.is_floating_point():
-        diff &= ~(torch.isnan(a) & torch.isnan(b))
-    idx = tuple(int(i) for i in diff.nonzero()[0]) if diff.any() else ()
+    if a.is_floating_point() or a.is_complex():
+        diff &= ~(torch.isnan(a) & torch.isnan(b))  # NaN where every rank has NaN: equal
+    if not diff.any():
+        return
+    idx = tuple(int(i) for i in diff.nonzero()[0])
     raise SpecError(
         f"shard_map(check_rep=True): {where} is claimed replicated over "
         f"{list(lay.replicated_axes)} by out_specs {lay.spec!r}, but rank {rb} differs from "

@@ -206,6 +206,38 @@ def test_check_rep_passes_for_psum_and_names_rank_and_index():
         bad(x)
 
 
+def test_check_rep_accepts_nan_where_every_rank_has_nan():
+    """A replicated NaN (a loss that diverged on every rank alike) is equal everywhere;
+    before, check_rep said "nan vs nan" for a scalar and failed inside for a vector
+    (reliability item 13). NaN in different places still differs."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = torch.arange(6.0)
+    nan = float("nan")
+    f = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp") * nan, mesh, P("sp"), P(),
+                       check_rep=True)
+    assert f(x).isnan().item()
+    v = spmd.shard_map(lambda x: torch.tensor([1.0, nan, 2.0]) + 0 * spmd.psum(x.sum(), "sp"),
+                       mesh, P("sp"), P(), check_rep=True)(x)
+    assert v[1].isnan() and v[0] == 1.0
+    bad = spmd.shard_map(lambda x: torch.tensor([nan, 1.0]).roll(int(spmd.axis_index("sp") == 2)),
+                         mesh, P("sp"), P(), check_rep=True)
+    with pytest.raises(spmd.SpecError, match=r"rank 2 differs from rank 0 at local index \[0\]"):
+        bad(x)
+
+
+def test_non_tensor_outputs_compare_numpy_arrays_and_nan_as_values():
+    import numpy as np
+    mesh = spmd.Mesh((2,), ("sp",))
+    same = spmd.shard_map(lambda x: (x, np.array([1.0, np.nan]), float("nan")), mesh, P("sp"),
+                          (P("sp"), None, None))(torch.ones(4))
+    assert np.array_equal(same[1], [1.0, np.nan], equal_nan=True)
+    differ = spmd.shard_map(lambda x: (x, np.arange(2) * spmd.axis_index("sp")), mesh,
+                            P("sp"), (P("sp"), None))
+    with pytest.raises(spmd.SpecError, match=r"out\[1\] is array\(\[0, 0\]\) on rank 0 but "
+                       r"array\(\[0, 1\]\) on rank 1"):
+        differ(torch.ones(4))
+
+
 def test_per_rank_on_launch_threads_gives_global_gradient():
     x = torch.randn(7, 2, dtype=DT)
 
