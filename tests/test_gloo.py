@@ -614,3 +614,34 @@ def test_ranks_finding_different_parameters_get_a_clear_error(gloo2):
 
 def _gloo_ok(mesh):
     return True
+
+
+def _extremes_with_nan(mesh):
+    """Rank 1 holds a NaN (and rank 0 an inf where rank 1 has a NaN): every extreme is
+    NaN there, as torch.amax/amin of the stacked values."""
+    nan, inf = float("nan"), float("inf")
+    r = mesh.rank
+    x = torch.tensor([1.0, nan, 3.0, inf, -inf]) if r == 1 else \
+        torch.tensor([2.0, 0.0, inf, nan, 5.0])
+    lay = spmd.Layout((4, 5), P("sp"), mesh)
+    block = torch.full((2, 5), float(r)).index_put_((torch.tensor([1]), torch.tensor([r])),
+                                                   torch.tensor(nan))
+    return (x, spmd.pmax(x, "sp"), spmd.pmin(x, "sp"),
+            spmd.reduce(block, mesh, P("sp"), op="max", dim=0, sizes=lay),
+            spmd.reduce(block, mesh, P("sp"), op="min", dim=0),
+            spmd.pmax(torch.tensor([1.0, 2.0]) * (r + 1), "sp"))
+
+
+def test_max_and_min_keep_nan_on_gloo(gloo2):
+    """gloo's MAX and MIN drop a NaN held by a later rank (reliability item 2); threads
+    and one device keep it."""
+    got = gloo2.run(_extremes_with_nan, (2,), ("sp",))
+    want = spmd.launch(_extremes_with_nan, (2,), ("sp",))
+    xs = torch.stack([got[0][0], got[1][0]])
+    for rank in (0, 1):
+        for g, w in zip(got[rank][1:], want[rank][1:]):
+            torch.testing.assert_close(g, w, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(got[rank][1], xs.amax(0), equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(got[rank][2], xs.amin(0), equal_nan=True, rtol=0, atol=0)
+        assert got[rank][3].isnan().tolist() == [True, True, False, False, False]
+        assert got[rank][5].tolist() == [2.0, 4.0]

@@ -26,6 +26,7 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 import zlib
@@ -192,9 +193,32 @@ class TorchComm:
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
+        if op != "sum" and x.is_floating_point():
+            return self._extreme(x, op, rop, group, rec, seq, name)
         y = _copy(x)
         self._call(dist.all_reduce, name, group, rec, seq, _reducible(y), op=rop)
         return y
+
+    def _extreme(self, x, op, rop, group, rec, seq, name):
+        """max/min where NaN wins, as torch.amax does (gloo's and NCCL's reductions
+        drop it): NaN is sent as the op's identity and one more element says whether
+        any rank holds a NaN; only then does a second all-reduce mark where."""
+        n = x.numel()
+        buf = torch.empty(n + 1, dtype=x.dtype, device=x.device)
+        vals = buf[:n].view(x.shape)
+        vals.copy_(x.detach())
+        nan = torch.isnan(vals)
+        any_nan = bool(nan.any())
+        if any_nan:
+            vals.masked_fill_(nan, -math.inf if op == "max" else math.inf)
+        buf[n] = (1.0 if op == "max" else -1.0) if any_nan else 0.0
+        self._call(dist.all_reduce, name, group, rec, seq, buf, op=rop)
+        if buf[n].item() != 0:  # the same on every rank: all take this branch
+            where = nan.to(torch.uint8).reshape(-1)
+            seq = self._enter(rec)
+            self._call(dist.all_reduce, name, group, rec, seq, where, op=_ROPS["max"])
+            vals.masked_fill_(where.view(x.shape).bool(), math.nan)
+        return vals
 
     def all_reduce_async(self, x, op, group, *, name):
         # In place on the caller's buffer (no copy: this is the bucket path); the wait,
