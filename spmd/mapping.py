@@ -157,13 +157,23 @@ class _ShardMap:
 
         detached = [x.detach() if lay is not None else x for x, lay in zip(leaves, layouts)]
         diff_set = set(diff)
+        # Rank threads share the caller's tensors: a replica other than the first gets a
+        # copy (made before any rank runs), so that an in-place op in the body acts once
+        # on the caller's tensor, as on processes and on one device.
+        mine = [self.mesh.rank] if per_rank else range(self.mesh.size)
+        copies = {(i, r): lay.shard(detached[i], r).clone()
+                  for i, lay in enumerate(layouts) if lay is not None and
+                  self.mesh.backend == "threads" and lay.replicated_axes
+                  for r in mine if any(self.mesh.axis_index(a, r) for a in lay.replicated_axes)}
 
         def run_rank(rank: int):
             local_in = []
             loc = list(detached)
             for i, lay in enumerate(layouts):
                 if lay is not None:
-                    t = lay.shard(detached[i], rank)
+                    t = copies.get((i, rank))
+                    if t is None:
+                        t = lay.shard(detached[i], rank)
                     if i in diff_set:
                         t = t.requires_grad_()
                         local_in.append(t)

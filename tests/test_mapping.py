@@ -238,6 +238,28 @@ def test_non_tensor_outputs_compare_numpy_arrays_and_nan_as_values():
         differ(torch.ones(4))
 
 
+def test_an_in_place_op_on_a_replicated_input_acts_once():
+    """On a threads mesh every rank saw the caller's replicated tensor: s.add_(1) added 4
+    on 4 ranks, where processes and one device add 1 (reliability item 3). Split inputs
+    were always right: each rank modifies its own rows."""
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    s, x = torch.zeros(3), torch.zeros(4, 2)
+
+    def body(s, x):
+        s.add_(1)
+        x.add_(1)
+        return spmd.psum(s.sum(), ("dp", "sp")), x
+    total, y = spmd.shard_map(body, mesh, (P(), P("sp")), (P(), P("sp")))(s, x)
+    assert s.tolist() == [1.0, 1.0, 1.0] and total.item() == 12.0
+    assert x.tolist() == [[1.0, 1.0]] * 4 and y.tolist() == [[1.0, 1.0]] * 4
+
+    def per_rank(mesh, s):  # the per-rank view, with one tensor shared by the rank threads
+        spmd.shard_map(lambda s: s.mul_(2), mesh, P(), P())(s)
+    s = torch.ones(2)
+    spmd.launch(per_rank, (3,), "sp", args=(s,))
+    assert s.tolist() == [2.0, 2.0]
+
+
 def test_per_rank_on_launch_threads_gives_global_gradient():
     x = torch.randn(7, 2, dtype=DT)
 
