@@ -173,14 +173,26 @@ class TorchComm:
         if "timed out" in low or "timeout" in low:
             if peers is None:
                 peers = [r for r in group.ranks if r != group.rank]
-            missing = self._progress.missing(rec.key, seq, peers, self.mesh.timeout)
+            # Ranks that arrived later time out later: give them a moment to mark.
+            grace = min(5.0, max(1.0, 0.1 * self.mesh.timeout))
+            missing = self._progress.missing(rec.key, seq, peers, grace)
             who = (f"ranks {list(missing)} of the group {list(group.ranks)} did not arrive"
                    if missing else f"could not tell which ranks of the group "
                    f"{list(group.ranks)} did not arrive")
             return CommTimeout(f"{where} timed out after {self.mesh.timeout:g} s on rank "
                                f"{group.rank}: {who}", op=name, axes=group.axes, missing=missing)
-        cls = CommAborted if ("closed" in low or "reset" in low or "abort" in low) else CommError
-        return cls(f"{where} failed on rank {group.rank} (group {list(group.ranks)}): {msg}")
+        if "closed" in low or "reset" in low or "abort" in low:
+            # A peer's process died (or aborted): the ranks that never reached this call
+            # say which, as for a timeout.
+            if peers is None:
+                peers = [r for r in group.ranks if r != group.rank]
+            missing = self._progress.missing(rec.key, seq, peers, 0.3)  # the others fail now too
+            who = f"; ranks {list(missing)} never reached it" if missing else ""
+            return CommAborted(f"{where} failed on rank {group.rank} (group "
+                               f"{list(group.ranks)}): {msg}{who}", op=name, axes=group.axes,
+                               missing=missing)
+        return CommError(f"{where} failed on rank {group.rank} (group {list(group.ranks)}): "
+                         f"{msg}", op=name, axes=group.axes)
 
     # -- the protocol -------------------------------------------------------------------
 
@@ -541,15 +553,15 @@ class _Progress:
                                         timeout=datetime.timedelta(seconds=5))
         return self._store
 
-    def missing(self, key: int, seq: int, peers, timeout: float) -> tuple[int, ...]:
-        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown)."""
+    def missing(self, key: int, seq: int, peers, grace: float) -> tuple[int, ...]:
+        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown),
+        after ``grace`` seconds for the others to mark."""
         try:
             store = self._connect()
             if store is None:
                 return ()
             store.set(f"spmd/arrived/{key}/{seq}/{self.rank}", "1")
-            # Ranks that arrived later time out later; give them a moment to mark.
-            time.sleep(min(5.0, max(1.0, 0.1 * timeout)))
+            time.sleep(grace)
             return tuple(r for r in peers if not store.check([f"spmd/arrived/{key}/{seq}/{r}"]))
         except Exception:  # noqa: BLE001 - best effort: then the message says "could not tell"
             return ()

@@ -18,8 +18,12 @@ from ..core._context import RankContext
 from ..core.errors import CommAborted, CommTimeout, check_timeout, tag_rank
 from ..core.mesh import Mesh
 from . import comm_of
+from .threads import _tls
 
 __all__ = ["run_on_threads"]
+
+
+_GRACE = 1.0  # seconds the other ranks get to finish once one has failed
 
 
 def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | None = None,
@@ -28,35 +32,50 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
 
     The calling thread runs rank 0; the other ranks run on worker threads from a
     shared pool of idle workers (no thread start per call), or on threads started for
-    this run that end with it (``own_threads``). The first failure aborts the mesh's
-    pending collectives so no rank waits forever, and is re-raised here tagged with
-    its rank.
+    this run that end with it (``own_threads``). Calls on one mesh from several Python
+    threads take turns. The first failure cancels the mesh's pending collectives and is
+    re-raised here, tagged with its rank, once the other ranks have finished or after
+    a short grace; a rank still running then (stuck outside any collective) is
+    abandoned: its collectives are refused from then on, and the mesh is ready for the
+    next call at once.
     """
     timeout = mesh.timeout if timeout is None else check_timeout(timeout, "run_on_threads")
-    batch = _Batch(mesh, fn, mesh.size - 1)
-    workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
-               else _take_workers(mesh.size - 1))
-    for rank, w in enumerate(workers, 1):
-        w.start_task(batch, rank)
-    batch.run(0)
-    if batch.pending and not batch.done.acquire(timeout=timeout + 5.0):
-        comm_of(mesh).abort(CommTimeout("per-rank program timed out"))
-        raise CommTimeout(f"per-rank program on {mesh!r} did not finish in {timeout:g} s "
-                          f"({batch.pending} ranks still running)", op="launch")
-    if batch.errors:
-        comm_of(mesh).reset()
-        # A rank cancelled because another failed is a symptom; report the cause.
-        errs = sorted(batch.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
-        _, rank, exc = errs[0]
-        raise tag_rank(exc, rank)
-    return batch.results
+    comm = comm_of(mesh)
+    if not comm.run_lock.acquire(timeout=timeout):
+        raise CommTimeout(f"a per-rank program has been running on {mesh!r} for more than "
+                          f"{timeout:g} s in another thread; calls on one threads mesh take "
+                          f"turns", op="run_on_threads")
+    try:
+        batch = _Batch(mesh, fn, comm, comm.begin())
+        workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
+                   else _take_workers(mesh.size - 1))
+        for rank, w in enumerate(workers, 1):
+            w.start_task(batch, rank)
+        batch.run(0)
+        batch.wait(timeout)
+        if batch.running:  # abandoned: the next begin() fences them out
+            comm.abort(CommAborted("per-rank program abandoned"), batch.generation)
+            if not batch.errors:
+                late = sorted(batch.running)
+                raise CommTimeout(f"per-rank program on {mesh!r}: ranks {late} did not "
+                                  f"finish within {timeout:g} s", op="run_on_threads",
+                                  missing=tuple(late))
+        if batch.errors:
+            # A rank cancelled because another failed is a symptom; report the cause.
+            errs = sorted(batch.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+            _, rank, exc = errs[0]
+            raise tag_rank(exc, rank)
+        return batch.results
+    finally:
+        comm.run_lock.release()
 
 
 class _Batch:
     """One per-rank program run: the task, and where results and failures go."""
 
-    def __init__(self, mesh: Mesh, fn: Callable[[int], Any], workers: int):
+    def __init__(self, mesh: Mesh, fn: Callable[[int], Any], comm: Any, generation: int):
         self.mesh, self.fn = mesh, fn
+        self.comm, self.generation = comm, generation
         # The ranks share this process's cores: each rank's torch ops get an equal share
         # of the intra-op threads, as processes on a node would. Without it every rank
         # thread starts a full OpenMP team and the teams spin against each other (the
@@ -65,29 +84,53 @@ class _Batch:
         self.share = max(1, self.threads // mesh.size)
         self.results: list[Any] = [None] * mesh.size
         self.errors: list[tuple[float, int, BaseException]] = []
-        self.pending = workers
+        self.running = set(range(1, mesh.size))  # worker ranks not finished yet
+        # Raw locks, not a Condition: a hand-off costs microseconds, not tens of them.
         self._lock = _thread.allocate_lock()
-        self.done = _thread.allocate_lock()  # released when the last worker finishes
-        self.done.acquire()
+        self._wake = _thread.allocate_lock()  # released when a worker finishes or fails
+        self._wake.acquire()
 
     def run(self, rank: int) -> None:
         if self.share < self.threads:
             torch.set_num_threads(self.share)  # per thread with OpenMP; restored below
+        prev = getattr(_tls, "run", None)
+        _tls.run = (self.comm, self.generation)
         try:
             with RankContext(self.mesh, rank):
                 self.results[rank] = self.fn(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            self.errors.append((time.monotonic(), rank, e))
-            comm_of(self.mesh).abort(e)
+            with self._lock:
+                self.errors.append((time.monotonic(), rank, e))
+                self._signal()
+            self.comm.abort(e, self.generation, rank)
         finally:
+            _tls.run = prev
             if self.share < self.threads:
                 torch.set_num_threads(self.threads)
 
-    def finished(self) -> None:
+    def _signal(self) -> None:
+        if self._wake.locked():
+            self._wake.release()
+
+    def finished(self, rank: int) -> None:
         with self._lock:
-            self.pending -= 1
-            if self.pending == 0:
-                self.done.release()
+            self.running.discard(rank)
+            self._signal()
+
+    def wait(self, timeout: float) -> None:
+        """Until every worker rank finished, or a grace after the first failure, or the
+        run's timeout (plus the slack collectives need to time out themselves)."""
+        deadline = time.monotonic() + timeout + 5.0
+        while True:
+            with self._lock:
+                if not self.running:
+                    return
+                if self.errors:
+                    deadline = min(deadline, min(t for t, _, _ in self.errors) + _GRACE)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.acquire(timeout=left)
 
 
 class _Worker:
@@ -120,7 +163,7 @@ class _Worker:
                 # Back to the idle list before signalling, so the caller's next run reuses us.
                 with _idle_lock:
                     _idle.append(self)
-            batch.finished()
+            batch.finished(rank)
             del batch
             if not self._persistent:
                 return

@@ -43,6 +43,10 @@ class _Slot:
         self.done = False
 
 
+# Which run of which comm the calling rank thread belongs to (set by rank_threads).
+_tls = threading.local()
+
+
 class ThreadComm:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
@@ -50,6 +54,34 @@ class ThreadComm:
         self._slots: dict[tuple, _Slot] = {}
         self._seq: dict[tuple, int] = {}
         self._aborted: BaseException | None = None
+        self._aborted_rank: int | None = None
+        # One per-rank program runs at a time (calls from several threads take turns);
+        # each run has a generation, and a rank thread left over from an earlier run
+        # (abandoned after a timeout) is refused before it touches the current run.
+        self.run_lock = threading.Lock()
+        self.generation = 0
+
+    def begin(self) -> int:
+        """Start a run (holding ``run_lock``): fresh rendezvous state, a new generation.
+        Ranks of an abandoned run still waiting in a collective are cancelled."""
+        with self._lock:
+            for slot in self._slots.values():
+                if not slot.done and slot.error is None:
+                    slot.error = CommAborted(f"{slot.op}: cancelled, its per-rank program "
+                                             f"on {self.mesh!r} was abandoned")
+                slot.cond.notify_all()
+            self._slots.clear()
+            self._seq.clear()
+            self._aborted, self._aborted_rank = None, None
+            self.generation += 1
+            return self.generation
+
+    def _stale(self, name: str, group: Group) -> None:
+        run = getattr(_tls, "run", None)
+        if run is not None and run[0] is self and run[1] != self.generation:
+            raise CommAborted(f"{name} on rank {group.rank}: this rank belongs to a per-rank "
+                              f"program on {self.mesh!r} that was abandoned (it ran past "
+                              f"its timeout or another rank failed)")
 
     # -- the rendezvous -------------------------------------------------------------
 
@@ -61,6 +93,7 @@ class ThreadComm:
         ``combine`` runs once, on the last rank to arrive, outside the lock; what it
         raises is raised on every member.
         """
+        self._stale(name, group)
         if group.size == 1:
             self._next_seq(group)
             return combine([payload]) if combine is not None else [payload]
@@ -80,8 +113,7 @@ class ThreadComm:
         n = group.size
         with self._lock:
             if self._aborted is not None:
-                raise CommAborted(f"{name} on rank {group.rank}: cancelled because another "
-                                  f"rank failed ({self._aborted!r})")
+                raise self._cancelled(name, group)
             slot = self._slots.get((key, seq))
             if slot is None:
                 slot = self._slots[(key, seq)] = _Slot(n, op, self._lock)
@@ -126,8 +158,7 @@ class ThreadComm:
                 raise type(e)(*e.args) if isinstance(e, CommError) else e
             if not slot.done:
                 if self._aborted is not None:
-                    raise CommAborted(f"{name} on rank {group.rank}: cancelled because "
-                                      f"another rank failed ({self._aborted!r})")
+                    raise self._cancelled(name, group)
                 missing = tuple(r for r, a in zip(group.ranks, slot.arrived) if not a)
                 raise CommTimeout(
                     f"{name} over {_axes(group)} timed out after {self.mesh.timeout:g} s on "
@@ -136,20 +167,23 @@ class ThreadComm:
                     op=name, axes=group.axes, missing=missing)
             return slot.result
 
-    def abort(self, exc: BaseException) -> None:
-        """Wake every waiting rank with ``CommAborted`` (a rank failed)."""
+    def _cancelled(self, name: str, group: Group) -> CommAborted:
+        who = "another rank" if self._aborted_rank is None else f"rank {self._aborted_rank}"
+        return CommAborted(f"{name} on rank {group.rank}: cancelled because {who} failed "
+                           f"({self._aborted!r})", op=name, axes=group.axes,
+                           missing=() if self._aborted_rank is None else (self._aborted_rank,))
+
+    def abort(self, exc: BaseException, generation: int | None = None,
+              rank: int | None = None) -> None:
+        """Wake every waiting rank with ``CommAborted`` (a rank failed); only if the run
+        of ``generation`` (default: any) is the current one."""
         with self._lock:
+            if generation is not None and generation != self.generation:
+                return  # a rank of an abandoned run failed: nothing of it is left here
             if self._aborted is None:
-                self._aborted = exc
+                self._aborted, self._aborted_rank = exc, rank
             for slot in self._slots.values():
                 slot.cond.notify_all()
-
-    def reset(self) -> None:
-        """Forget all pending state; call only when no rank thread is running."""
-        with self._lock:
-            self._slots.clear()
-            self._seq.clear()
-            self._aborted = None
 
     # -- the protocol -------------------------------------------------------------------
     # Validation and reductions run once per collective (in ``combine``); each rank
@@ -174,6 +208,7 @@ class ThreadComm:
         def combine(xs):
             _same_meta(xs, group, name)
             return _reduce(xs, op)
+        self._stale(name, group)
         if group.size == 1:
             self._next_seq(group)
             return _ThreadWork(self, group, name, x, None)

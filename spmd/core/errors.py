@@ -16,16 +16,14 @@ class SpecError(ValueError):
 
 
 class CommError(RuntimeError):
-    """Ranks disagreed about a collective (different ops, shapes or dtypes)."""
-
-
-class CommTimeout(CommError, TimeoutError):
-    """A blocking wait ran past its timeout.
+    """A collective failed: ranks disagreed about it (different ops, shapes or dtypes),
+    one did not arrive, or one failed.
 
     Attributes:
-        op: the collective that timed out, e.g. ``"psum"``.
+        op: the collective, e.g. ``"psum"``.
         axes: the mesh axes it ran over.
-        missing: global ranks that did not arrive (empty when the backend cannot tell).
+        missing: global ranks that did not arrive or failed (empty when the backend
+            cannot tell).
     """
 
     def __init__(self, message: str, *, op: str = "", axes: tuple[str, ...] = (),
@@ -35,9 +33,22 @@ class CommTimeout(CommError, TimeoutError):
         self.axes = axes
         self.missing = missing
 
+    def __reduce__(self):  # keep op, axes and missing across processes (pickle)
+        return (_rebuild, (type(self), self.args, self.op, self.axes, self.missing))
+
+
+def _rebuild(cls, args, op, axes, missing):
+    return cls(*args, op=op, axes=axes, missing=missing)
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A blocking wait ran past its timeout; ``missing`` names the ranks that did not
+    arrive."""
+
 
 class CommAborted(CommError):
-    """Another rank failed, so this rank's pending collective was cancelled."""
+    """Another rank failed (or its process died), so this rank's pending collective was
+    cancelled; ``missing`` names that rank where the backend can tell."""
 
 
 def tag_rank(exc: BaseException, rank: int) -> BaseException:

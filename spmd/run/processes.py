@@ -28,7 +28,7 @@ from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, ta
 
 __all__ = ["ProcessPool", "launch_processes"]
 
-_GRACE = 1.0  # seconds other ranks get to report after the first error
+_GRACE = 2.0  # seconds other ranks get to report after the first error
 _SLACK = 5.0  # seconds on top of ``timeout`` for a whole run
 
 

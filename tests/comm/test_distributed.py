@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spmd.comm import comm_of
-from spmd.core.errors import CommError, CommTimeout
+from spmd.core.errors import CommAborted, CommError, CommTimeout
 from spmd.run.launcher import launch
 
 pytestmark = pytest.mark.gloo
@@ -287,3 +287,28 @@ def test_no_children_left():
     from spmd.testing import runner
     runner.close_pools()  # gloo2, gloo4 and on_mesh's: they restart if a later test runs one
     assert multiprocessing.active_children() == []
+
+
+def _dies_and_peer_reports(mesh, path):
+    if mesh.rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    try:
+        comm_of(mesh).all_reduce(torch.ones(1), "sum", mesh.group("sp"), name="psum")
+    except CommAborted as e:
+        import pickle
+        with open(path, "wb") as f:
+            pickle.dump((str(e), e.op, e.axes, e.missing), f)
+        raise
+
+
+def test_a_dead_peer_is_named_in_commaborted(gloo2, tmp_path):
+    """Rank 1's process dies before its psum: rank 0's CommAborted names it (reliability
+    item 11); the pool reports the death itself first."""
+    import pickle
+    path = tmp_path / "seen.pkl"
+    with pytest.raises(RuntimeError, match=r"rank 1: process exited \(exit code 3\)"):
+        gloo2.run(_dies_and_peer_reports, (2,), ("sp",), args=(str(path),))
+    msg, op, axes, missing = pickle.loads(path.read_bytes())
+    assert (op, axes, missing) == ("psum", ("sp",), (1,)), msg
+    assert "ranks [1] never reached it" in msg
