@@ -50,6 +50,8 @@ class custom_vjp:
         self._fast: type[torch.autograd.Function] | None = None
 
     def defvjp(self, fwd: Callable, bwd: Callable) -> None:
+        """Set the rule: ``fwd(*args) -> (out, residuals)`` and ``bwd(*nondiff,
+        residuals, g) -> grads`` (one per differentiable argument), as JAX's."""
         self.fwd, self.bwd = fwd, bwd
         self._fn = _make_function(self.fun.__name__, fwd, bwd, self.nondiff_argnums)
         self._fast = _make_fast_function(self.fun.__name__, fwd, bwd, self.nondiff_argnums)

@@ -69,9 +69,13 @@ class CommStats:
                 yield r
 
     def __str__(self) -> str:
-        rows = [f"{op:>16} {'/'.join(axes):>10} {p:>8} {c:>6} calls {b:>12} bytes"
+        """A table: one row per (op, axes, pass), every rank's calls and bytes summed."""
+        rows = [f"{op:>24} {'/'.join(axes):>10} {p:>8} {c:>6} {b:>12,}"
                 for (op, axes, p), (c, b) in sorted(self.by_op().items())]
-        return "\n".join(rows) if rows else "(no communication)"
+        if not rows:
+            return "(no communication)"
+        head = f"{'op':>24} {'axes':>10} {'pass':>8} {'calls':>6} {'bytes':>12}"
+        return "\n".join([head, *rows])
 
 
 @contextmanager

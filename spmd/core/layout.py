@@ -144,9 +144,11 @@ class Layout:
 
     @property
     def ndim(self) -> int:
+        """The number of dims of the global tensor."""
         return len(self.shape)
 
     def axis_size(self, axes: Sequence[str]) -> int:
+        """Ranks along ``axes`` of the layout's mesh (the product for several)."""
         return math.prod(self.mesh_shape[self.axis_names.index(a)] for a in axes)
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
@@ -155,6 +157,7 @@ class Layout:
 
     @property
     def split_dims(self) -> tuple[int, ...]:
+        """The dims the spec splits, in order."""
         return tuple(d for d, s in enumerate(self.sizes) if s is not None)
 
     def owners(self) -> dict[tuple[int, ...], int]:
@@ -176,6 +179,7 @@ class Layout:
 
     @property
     def is_even(self) -> bool:
+        """Whether every split dim's shards all have the same size."""
         return all(s is None or len(set(s)) == 1 for s in self.sizes)
 
     def shard_index(self, rank: int, dim: int) -> int:
@@ -212,6 +216,7 @@ class Layout:
         return self._row(rank)[0]
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of ``rank``'s shard (zeros along a dim where it holds nothing)."""
         return self._row(rank)[1]
 
     def slices(self, rank: int) -> tuple[slice, ...]:

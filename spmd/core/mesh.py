@@ -205,6 +205,8 @@ class Mesh:
 
     @property
     def device(self) -> torch.device:
+        """The device rank tensors live on (``device=`` if given; else torch's default
+        device on a threads mesh, ``cuda:<local rank>`` under NCCL, the CPU under gloo)."""
         if self._device is None:
             if self.backend == "torch":
                 self._device = _torch_device()

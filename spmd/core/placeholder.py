@@ -49,19 +49,25 @@ class Placeholder:
 
     @classmethod
     def like(cls, x: torch.Tensor, holders: Sequence[int], layout: Layout | None = None) -> Placeholder:
+        """The Placeholder of ``x`` (its shape, dtype, device, requires_grad), held by
+        ``holders``, laid out as ``layout`` there."""
         return cls(x.shape, x.dtype, x.device, x.requires_grad, layout, tuple(holders))
 
     @property
     def ndim(self) -> int:
+        """The number of dims of the global tensor, as ``Tensor.ndim``."""
         return len(self.shape)
 
     def dim(self) -> int:
+        """The number of dims of the global tensor, as ``Tensor.dim()``."""
         return len(self.shape)
 
     def size(self, dim: int | None = None):
+        """The global shape, or its size along ``dim``, as ``Tensor.size()``."""
         return self.shape if dim is None else self.shape[dim]
 
     def numel(self) -> int:
+        """The number of elements of the global tensor, as ``Tensor.numel()``."""
         return self.shape.numel()
 
     def backward(self) -> None:

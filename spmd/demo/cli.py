@@ -125,8 +125,9 @@ def _report(a: argparse.Namespace, sharded: demo.History, single: demo.History,
     print(f"  by collective (forward/backward, all ranks): {ops}")
     print("  (conv2d: the halo row each 3x3 convolution takes from each neighbour, and in "
           "backward the halo's gradient sent back; conv2d sizes: the shards' row counts; "
-          "psum: the loss; shard_map backward, on processes only: the parameter gradients' "
-          "all-reduce)")
+          "psum: the loss; on processes only, shard_map backward: the parameter gradients' "
+          "all-reduce, and shard_map backward check: a few int64s by which the ranks check "
+          "that they hold the same parameters before that all-reduce)")
 
     print(f"\ntime per step (mean of steps 2-{len(single.losses)}): sharded "
           f"{sharded.seconds_per_step * 1e3:.1f} ms, one device {single.seconds_per_step * 1e3:.1f} ms"

@@ -273,6 +273,7 @@ class ShardedArray(NamedTuple):
 
     @property
     def spec(self) -> P:
+        """The layout's partition spec."""
         return self.layout.spec
 
     def shard(self, rank: int) -> torch.Tensor:

@@ -66,6 +66,8 @@ def test_other_collectives_and_nothing_outside_the_block():
     assert s.bytes("all_to_all") == 3 * (2 * 2 * F32)  # each rank: two 1x2 blocks out
     assert s.calls("pmax") == 3 and s.bytes("pmax") == 3 * 4 * F32
     assert "broadcast" in str(s)
+    head = str(s).splitlines()[0].split()
+    assert head == ["op", "axes", "pass", "calls", "bytes"]  # the rows had no header
 
 
 @on_mesh(2, "sp", backends=("threads", "gloo"))

@@ -92,7 +92,10 @@ def test_cli_threads():
 
 def test_cli_usage_and_bad_flags(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["spmd"])
-    assert spmd_main._main() == 2 and "python -m spmd demo" in capsys.readouterr().out
+    assert spmd_main._main() == 2 and "python -m spmd demo" in capsys.readouterr().err
+    for flag in ("--help", "-h"):  # asking for help is not an error (it exited 2)
+        monkeypatch.setattr(sys, "argv", ["spmd", flag])
+        assert spmd_main._main() == 0 and "python -m spmd demo" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
         _demo.main(["--steps", "0"])
     assert e.value.code == 2 and "--steps must be at least 1" in capsys.readouterr().err
