@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import inspect
 
-import pytest
-
 import spmd
 import spmd.nn
 import spmd.ops

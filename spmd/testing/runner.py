@@ -70,7 +70,8 @@ def on_mesh(shape: Sequence[int] | int, axis_names: Sequence[str] | str, *,
     """Make ``body(mesh, ...)`` a pytest test that runs on every rank, once per backend.
 
     The test is parametrized over ``backends`` (ids ``threads``, ``gloo``; gloo runs are
-    marked ``pytest.mark.gloo``: register that marker in your pytest configuration).
+    marked ``pytest.mark.gloo``, a marker spmd's pytest plugin registers: deselect them
+    with ``-m "not gloo"``).
     ``mesh`` is the rank's mesh (``mesh.rank`` its rank); the body's other parameters are
     pytest's as usual (``@pytest.mark.parametrize`` arguments, fixtures) and go to every
     rank, pickled for gloo; one named ``spmd_backend`` gets the backend. A failure on any

@@ -14,6 +14,15 @@ drawn mesh) compose with ``st.data()`` or ``flatmap``::
 
 or draw a whole case at once with ``sharded_arrays``.
 
+Decorate such tests with ``settings`` (hypothesis's, with no deadline): the first
+example starts rank threads (or processes) and warms torch up, which takes longer than
+hypothesis's default 200 ms deadline, so the test would fail on its first example with
+``DeadlineExceeded``::
+
+    @sst.settings(max_examples=50)
+    @given(...)
+    def test_x(...): ...
+
 This is the only module of spmd that imports hypothesis; ``spmd.testing.strategies`` is
 loaded on first use.
 """
@@ -23,6 +32,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import hypothesis
 import torch
 from hypothesis import strategies as st
 
@@ -31,9 +41,24 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 
 __all__ = ["meshes", "split_sizes", "shapes", "specs", "layouts", "sharded_arrays",
-           "ShardedArray"]
+           "ShardedArray", "settings"]
 
 _DEFAULT_NAMES = {1: ("sp",), 2: ("x", "y"), 3: ("x", "y", "z")}
+
+
+def settings(**kwargs) -> hypothesis.settings:
+    """``hypothesis.settings`` for tests of sharded code: no deadline (the first example
+    starts rank threads or processes, well past hypothesis's default 200 ms) and the
+    ``too_slow`` health check off; ``kwargs`` as hypothesis's (``max_examples=...``).
+
+    Example:
+        >>> from spmd.testing import strategies as sst
+        >>> sst.settings(max_examples=10).deadline is None
+        True
+    """
+    kwargs.setdefault("deadline", None)
+    checks = set(kwargs.pop("suppress_health_check", ())) | {hypothesis.HealthCheck.too_slow}
+    return hypothesis.settings(suppress_health_check=sorted(checks, key=str), **kwargs)
 
 
 def meshes(max_ranks: int = 4, ndims: int | Sequence[int] = (1, 2),

@@ -172,3 +172,47 @@ def test_errors():
         on_mesh(2, "sp")(body)
     with pytest.raises(TypeError, match="put @given above @on_mesh"):
         on_mesh(2, "sp")(given(n=st.integers())(lambda mesh, n: None))
+
+
+USER_SUITE = '''
+import time
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import spmd
+from spmd import P
+from spmd.testing import assert_matches_single_device, on_mesh
+from spmd.testing import strategies as sst
+
+
+@sst.settings(max_examples=3)
+@given(n=st.integers(4, 9))
+def test_user_property(n):
+    time.sleep(0.3)  # a first example slower than hypothesis's default 200 ms deadline
+    mesh = spmd.Mesh((2,), ("sp",))
+    assert_matches_single_device(lambda x: x * 2, lambda x: x * 2, mesh, P("sp"), P("sp"),
+                                 torch.randn(n))
+
+
+@on_mesh((2,), ("sp",), backends=("threads", "gloo"))
+def test_user_on_mesh(mesh):
+    assert spmd.psum(torch.ones(1), "sp").item() == 2.0
+'''
+
+
+def test_a_users_suite_runs_with_default_settings_and_strict_markers(tmp_path):
+    """As a user's project would: hypothesis's default profile (200 ms deadline) and
+    --strict-markers with no marker registered. The gloo marker comes from spmd's pytest
+    plugin (it warned, or failed under --strict-markers), and sst.settings lifts the
+    deadline that a sharded test passes on its first example (reliability item 17)."""
+    import subprocess
+    import sys
+    (tmp_path / "test_user.py").write_text(USER_SUITE)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--strict-markers", "-p",
+                        "no:cacheprovider", "-m", "not gloo", "test_user.py"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                       env={**__import__("os").environ, "HYPOTHESIS_PROFILE": "default"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 passed, 1 deselected" in r.stdout
