@@ -20,7 +20,9 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
 
     Args:
         fn: the per-rank program. For ``backend="gloo"`` it must be picklable (a
-            module-level function) and so must ``args`` and its results.
+            module-level function) and so must ``args`` and its results; the processes
+            start with "spawn", which runs your script again in each, so a script calls
+            ``launch`` under ``if __name__ == "__main__":`` (it refuses otherwise).
         mesh_shape, axis_names: the mesh to build on every rank.
         backend: ``"threads"`` (one thread per rank, this process) or ``"gloo"``
             (one process per rank on 127.0.0.1, a free port, torch.distributed/gloo).

@@ -126,6 +126,7 @@ class ProcessPool:
 
     def _start(self) -> None:
         import torch.distributed as dist
+        _check_main_guard()
         ctx = mp.get_context("spawn")
         self._store = dist.TCPStore("127.0.0.1", 0, self.world + 1, is_master=True,
                                     wait_for_workers=False,
@@ -273,6 +274,49 @@ class ProcessPool:
                               f"{timeout:g} s (+{self.slack:g} s slack)", op="launch",
                               missing=tuple(missing))
         return results, []
+
+
+def _check_main_guard() -> None:
+    """Refuse to start processes from a script's top level outside
+    ``if __name__ == "__main__":``: "spawn" runs the script again in every child, which
+    would start processes again (multiprocessing then fails in every child with two
+    tracebacks that do not say why)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.exists(path):
+        return  # python -c, a notebook, an interactive session: nothing is re-run
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals.get("__name__") == "__main__" and
+                                     frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    import ast
+    try:
+        tree = ast.parse(open(path).read(), path)
+    except (OSError, SyntaxError):
+        return
+    line = frame.f_lineno
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    raise RuntimeError(
+        f"spmd starts gloo processes with multiprocessing's 'spawn', which runs "
+        f"{os.path.basename(path)} again in every process; line {line} would then start "
+        f"processes again. Put the code that runs at the top of the script under\n\n"
+        f"    if __name__ == \"__main__\":\n        ...\n")
+
+
+def _is_main_test(test: object) -> bool:
+    import ast
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and
+            isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    consts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and consts == ["__main__"]
 
 
 def _raise_first(errors: list[tuple[int, tuple]]):

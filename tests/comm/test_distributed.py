@@ -312,3 +312,34 @@ def test_a_dead_peer_is_named_in_commaborted(gloo2, tmp_path):
     msg, op, axes, missing = pickle.loads(path.read_bytes())
     assert (op, axes, missing) == ("psum", ("sp",), (1,)), msg
     assert "ranks [1] never reached it" in msg
+
+
+SCRIPT = '''
+import torch
+import spmd
+
+
+def body(mesh):
+    return spmd.psum(torch.ones(1), "sp").item()
+
+{call}
+'''
+
+
+def test_launch_from_a_script_needs_the_main_guard_and_says_so(tmp_path):
+    """Without ``if __name__ == "__main__":`` every spawned process ran the script again
+    and failed with two multiprocessing tracebacks; now the parent says what to write,
+    before starting anything (reliability item 15)."""
+    import subprocess
+    import sys
+    call = 'print(spmd.launch(body, (2,), ("sp",), backend="gloo"))'
+    bad, good = tmp_path / "bad.py", tmp_path / "good.py"
+    bad.write_text(SCRIPT.format(call=call))
+    good.write_text(SCRIPT.format(call=f'if __name__ == "__main__":\n    {call}'))
+    r = subprocess.run([sys.executable, str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "runs bad.py again in every process; line 9 would then start processes again" in \
+        r.stderr and 'if __name__ == "__main__":' in r.stderr
+    assert "bootstrapping phase" not in r.stderr
+    r = subprocess.run([sys.executable, str(good)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[2.0, 2.0]", r.stderr
