@@ -194,7 +194,8 @@ class _ShardMap:
         else:
             if self.mesh.backend != "threads":
                 raise SpecError(f"shard_map on {self.mesh!r} must be called on every rank")
-            results = dict(enumerate(run_on_threads(self.mesh, run_rank)))
+            results = dict(enumerate(run_on_threads(
+                self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank")))
             ranks = list(range(self.mesh.size))
 
         outs = {r: _tree.flatten(results[r][0]) for r in ranks}
@@ -340,7 +341,8 @@ class _State:
             with RankContext(mesh, self.ranks[0]):
                 per = [rank_grads(0, self.ranks[0])]
         else:
-            per = run_on_threads(mesh, lambda r: rank_grads(r, r))
+            per = run_on_threads(mesh, lambda r: rank_grads(r, r),
+                                 rank_rng=mesh.rng == "per_rank")
 
         n_in = len(self.diff)
         grads: list[torch.Tensor | None] = []

@@ -7,12 +7,14 @@ idle worker threads (no thread start per call).
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..core._context import RankContext
 from ..core.errors import CommAborted, CommTimeout, check_timeout, tag_rank
@@ -26,8 +28,50 @@ __all__ = ["run_on_threads"]
 _GRACE = 1.0  # seconds the other ranks get to finish once one has failed
 
 
+# Random functions: on rank threads each draws from its rank's own generator state.
+_RANDOM = frozenset({
+    "dropout", "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout2d",
+    "dropout3d", "rrelu", "rrelu_", "rand", "randn", "randint", "randperm", "rand_like",
+    "randn_like", "randint_like", "bernoulli", "bernoulli_", "normal", "normal_", "uniform_",
+    "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "multinomial",
+    "poisson", "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
+    "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
+    "native_dropout"})
+_rng_lock = threading.Lock()
+
+
+class _RankRandom(TorchFunctionMode):
+    """Random draws of one rank thread from its own generator state (CPU).
+
+    Rank threads share torch's one default generator, so their draws interleave in
+    whatever order the threads run: dropout in a body was not reproducible under a fixed
+    seed. Each rank gets a state seeded from one draw of the caller's generator, so a
+    seeded program gives the same masks every run, and ranks draw independently, as
+    processes with their own seeds do.
+    """
+
+    def __init__(self, seed: int):
+        super().__init__()
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self.state = g.get_state()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _RANDOM:
+            return func(*args, **kwargs)
+        with _rng_lock:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+
 def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | None = None,
-                   own_threads: bool = False) -> list[Any]:
+                   own_threads: bool = False, rank_rng: bool = False) -> list[Any]:
     """Run ``fn(rank)`` on a thread per rank of a threads mesh, with the rank context set.
 
     The calling thread runs rank 0; the other ranks run on worker threads from a
@@ -38,6 +82,10 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
     a short grace; a rank still running then (stuck outside any collective) is
     abandoned: its collectives are refused from then on, and the mesh is ready for the
     next call at once.
+
+    ``rank_rng`` (shard_map's bodies, where ``mesh.rng == "per_rank"``): each rank's random
+    draws come from a generator of its own, seeded by one draw of the caller's, so that
+    a seeded program is reproducible whatever order the threads run in.
     """
     timeout = mesh.timeout if timeout is None else check_timeout(timeout, "run_on_threads")
     comm = comm_of(mesh)
@@ -47,6 +95,9 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
                           f"turns", op="run_on_threads")
     try:
         batch = _Batch(mesh, fn, comm, comm.begin())
+        # one draw of the caller's generator seeds every rank's own (reproducible)
+        if rank_rng and mesh.size > 1:
+            batch.seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
                    else _take_workers(mesh.size - 1))
         for rank, w in enumerate(workers, 1):
@@ -85,6 +136,7 @@ class _Batch:
         self.results: list[Any] = [None] * mesh.size
         self.errors: list[tuple[float, int, BaseException]] = []
         self.running = set(range(1, mesh.size))  # worker ranks not finished yet
+        self.seed: int | None = None
         # Raw locks, not a Condition: a hand-off costs microseconds, not tens of them.
         self._lock = _thread.allocate_lock()
         self._wake = _thread.allocate_lock()  # released when a worker finishes or fails
@@ -96,7 +148,7 @@ class _Batch:
         prev = getattr(_tls, "run", None)
         _tls.run = (self.comm, self.generation)
         try:
-            with RankContext(self.mesh, rank):
+            with RankContext(self.mesh, rank), _rank_random(self.seed, rank):
                 self.results[rank] = self.fn(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             with self._lock:
@@ -131,6 +183,11 @@ class _Batch:
             if left <= 0:
                 return
             self._wake.acquire(timeout=left)
+
+
+def _rank_random(seed: int | None, rank: int):
+    return contextlib.nullcontext() if seed is None else \
+        _RankRandom((seed * 1_000_003 + rank) % (2 ** 63 - 1))
 
 
 class _Worker:

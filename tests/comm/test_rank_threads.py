@@ -112,3 +112,30 @@ def test_a_cancelled_collective_names_the_rank_that_failed():
     for e in seen.values():
         assert "cancelled because rank 1 failed (ValueError('boom'))" in str(e)
         assert (e.op, e.axes, e.missing) == ("psum", ("sp",), (1,))
+
+
+def test_dropout_on_rank_threads_is_reproducible_under_a_seed():
+    """Rank threads drew from torch's one generator in whatever order they ran: dropout
+    in a body differed from run to run under the same seed (reliability item 14). Each
+    rank draws from its own state now, seeded from the caller's generator."""
+    mesh = spmd.Mesh((4,), ("sp",))
+    f = spmd.shard_map(lambda x: torch.nn.functional.dropout(x, 0.5, training=True), mesh,
+                       P("sp"), P("sp"))
+    runs = []
+    for _ in range(4):
+        torch.manual_seed(0)
+        runs.append(f(torch.ones(4 * 256)))
+    for r in runs[1:]:
+        assert torch.equal(r, runs[0])
+    masks = runs[0].view(4, 256) != 0
+    assert all(not torch.equal(masks[0], masks[k]) for k in (1, 2, 3))  # independent ranks
+    torch.manual_seed(1)
+    assert not torch.equal(f(torch.ones(4 * 256)), runs[0])
+
+
+def test_rng_shared_opts_out_and_bad_values_are_refused():
+    mesh = spmd.Mesh((2,), ("sp",), rng="shared")
+    f = spmd.shard_map(lambda x: torch.rand(x.shape) + x, mesh, P("sp"), P("sp"))
+    assert f(torch.zeros(6)).shape == (6,)
+    with pytest.raises(spmd.SpecError, match="rng must be 'per_rank' or 'shared', got 'x'"):
+        spmd.Mesh((2,), ("sp",), rng="x")
