@@ -363,6 +363,9 @@ class TorchComm:
             rmeta = torch.empty_like(meta)
             self._call(dist.all_to_all_single, name, group, rec, seq, rmeta, meta)
             rows = rmeta.view(n, _ROW).tolist()
+            if shapes is not None:  # validating: what arrives must be what the plan says
+                self._check_plan(rec, group, seq, rows, shapes, chunks[group.index].dtype,
+                                 name)
         in_bytes = [t.numel() * t.element_size() for t in send]
         out_bytes = [r[2] * _dtype(r[0], name).itemsize for r in rows]
         sbuf = torch.cat([_bytes(t) for t in send])
@@ -462,6 +465,33 @@ class TorchComm:
         flat = out.view(n, len(tensors), _ROW).tolist()
         return [flat[p] for p in rec.pg_of]
 
+    def _check_plan(self, rec, group, seq, rows, shapes, dtype, name) -> None:
+        """Under validation: every member's expected shapes (from its plan) against what
+        the senders' metadata says; the first disagreement, found by any member, is the
+        same CommError on every member (ranks whose plans differ, e.g. a rank-dependent
+        halo width, would otherwise read garbage or abort)."""
+        mismatch = None
+        for i in range(group.size):
+            got = rows[rec.pg_of[i]]
+            exp = _row_of(tuple(shapes[i]), dtype, name)
+            if got != exp:
+                mismatch = (group.ranks[i], exp, got)
+                break
+        vec = torch.tensor(_plan_row(mismatch), dtype=torch.int64, device=self.mesh.device)
+        out = vec.new_empty(group.size * vec.numel())
+        self._call(_all_gather_single, name, group, rec, seq, out, vec)
+        allv = out.view(group.size, -1).tolist()
+        for p, v in enumerate(allv):
+            if v[0]:
+                me = group.ranks[rec.idx_of[p]]
+                exp, got = v[2:2 + _ROW], v[2 + _ROW:]
+                raise CommError(
+                    f"{name} over {_axes(group)}: rank {me} expected "
+                    f"{shape_str(exp[3:3 + exp[1]], _dtype(exp[0], name))} from rank {v[1]} "
+                    f"but it sent {shape_str(got[3:3 + got[1]], _dtype(got[0], name))}; the "
+                    f"ranks' plans disagree (an argument that differs from rank to rank, "
+                    f"e.g. a halo width)", op=name, axes=group.axes)
+
     def _validate(self, rec, group, seq, op, extra, tensors, name, *, count=None,
                   skip_dim=None) -> list[list[list[int]]]:
         """Compare op, ``extra`` argument, chunk count and tensor metadata across members,
@@ -501,6 +531,14 @@ class TorchComm:
                 _check_rows([p[j] for p in per], group, name, skip_dim=skip_dim,
                             chunk=j if op == "reduce_scatter" else None)
         return per
+
+
+def _plan_row(mismatch: tuple | None) -> list[int]:
+    """[found, sender, expected row..., received row...] (int64), for _check_plan."""
+    if mismatch is None:
+        return [0, -1] + [-1] * (2 * _ROW)
+    sender, exp, got = mismatch
+    return [1, sender, *exp, *got]
 
 
 class _TorchWork:

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import spmd
 from spmd.comm import comm_of
 from spmd.core.errors import CommAborted, CommError, CommTimeout
 from spmd.run.launcher import launch
@@ -343,3 +344,23 @@ def test_launch_from_a_script_needs_the_main_guard_and_says_so(tmp_path):
     assert "bootstrapping phase" not in r.stderr
     r = subprocess.run([sys.executable, str(good)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[2.0, 2.0]", r.stderr
+
+
+def _rank_dependent_halo(mesh):
+    comm_of(mesh).validate = True
+    try:
+        x = torch.arange(8.0).reshape(4, 2)[2 * mesh.rank:2 * mesh.rank + 2]
+        return spmd.halo_pad(x, mesh, "sp", 0, (1, 1 + mesh.rank))
+    except CommError as e:
+        return str(e)
+    finally:
+        comm_of(mesh).validate = False
+
+
+def test_validation_compares_the_plans_of_an_all_to_all(gloo2):
+    """A halo width that differs by rank: each rank's plan expects other shapes than the
+    others send. Validation compared no all_to_all shapes (an internal IndexError, or an
+    abort without validation); now every rank raises the same CommError (item 10)."""
+    got = gloo2.run(_rank_dependent_halo, (2,), ("sp",))
+    assert got[0] == got[1] and "the ranks' plans disagree" in got[0], got
+    assert "expected f32[" in got[0] and "but it sent f32[" in got[0]
