@@ -316,7 +316,8 @@ class _State:
 
     # -- backward ----------------------------------------------------------------------------
 
-    def backward(self, gouts: Sequence[torch.Tensor | None], tensor_out_idx: list[int]):
+    def backward(self, gouts: Sequence[torch.Tensor | None], tensor_out_idx: list[int],
+                 local_outs: list[list], anchors: list[list]):
         mesh = self.mesh
         cot_by_out = dict(zip(tensor_out_idx, gouts))
 
@@ -324,8 +325,8 @@ class _State:
             outs, cots = [], []
             for k, lay in enumerate(self.out_layouts):
                 g = cot_by_out.get(k)
-                t = self.local_outs[pos][k]
-                if g is None or lay is None or not t.requires_grad:
+                t = local_outs[pos][k]
+                if g is None or lay is None or t is None or not t.requires_grad:
                     continue
                 outs.append(t)
                 cots.append(lay.shard(g, rank) / _rep_factor(lay))
@@ -333,7 +334,7 @@ class _State:
             if not outs:
                 return [None] * len(ins)
             # The anchors make autograd run every collective's backward on this rank.
-            got = torch.autograd.grad(outs, ins + self.anchors[pos], cots, allow_unused=True,
+            got = torch.autograd.grad(outs, ins + anchors[pos], cots, allow_unused=True,
                                       retain_graph=True)
             return list(got[:len(ins)])
 
@@ -583,7 +584,26 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state, *inputs):
         ctx.state = state
+        # The ranks' outputs and anchors are the roots of their graphs: saved here, not
+        # kept by the state, so that autograd frees every rank's graph with this node's
+        # saved tensors after a backward (unless retain_graph), and refuses a second
+        # backward as it would for one device.
+        roots, where = [], []
+        for pos, outs in enumerate(state.local_outs):
+            for k, t in enumerate(outs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    roots.append(t)
+                    where.append(("out", pos, k))
+        for pos, anchors in enumerate(state.anchors):
+            for k, a in enumerate(anchors):
+                roots.append(a)
+                where.append(("anchor", pos, k))
+        ctx.save_for_backward(*roots)
+        ctx.where = where
+        state.local_outs = [[None] * len(outs) for outs in state.local_outs]
+        state.anchors = [[None] * len(a) for a in state.anchors]
         outs = tuple(state.global_outs[i] for i in state.tensor_out_idx)
+        state.global_outs = None
         nondiff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -591,5 +611,16 @@ class _Node(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *gouts):
-        grads = ctx.state.backward(gouts, ctx.state.tensor_out_idx)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "shard_map: differentiating its gradient (create_graph=True, double "
+                "backward) is not supported; take the second derivative inside the body "
+                "(torch.func or torch.autograd.grad on each rank), or outside shard_map")
+        saved = ctx.saved_tensors  # raises torch's own error on a second backward
+        state = ctx.state
+        outs = [list(o) for o in state.local_outs]
+        anchors = [list(a) for a in state.anchors]
+        for (kind, pos, k), t in zip(ctx.where, saved):
+            (outs if kind == "out" else anchors)[pos][k] = t
+        grads = state.backward(gouts, state.tensor_out_idx, outs, anchors)
         return (None,) + tuple(grads)

@@ -431,3 +431,48 @@ def test_closed_over_non_leaf_tensor_used_outside_too():
     w2r = torch.sin(wr)
     ((x * w2r).sum() ** 2 + (w2r ** 2).sum()).backward()
     torch.testing.assert_close(w.grad, wr.grad, **TOL)
+
+
+def test_a_second_backward_is_refused_as_for_one_device():
+    """shard_map kept every rank's graph: a second backward silently doubled x.grad where
+    torch raises (reliability item 6). retain_graph=True still allows it."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.randn(6, requires_grad=True)
+    loss = spmd.shard_map(lambda x: spmd.psum((x.sin() ** 2).sum(), "sp"), mesh, P("sp"), P())(x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * (2 * x.sin() * x.cos()).detach())
+    with pytest.raises(RuntimeError, match="Trying to backward through the graph a second time"):
+        loss.backward()
+
+
+def test_the_ranks_graphs_are_freed_after_backward():
+    """Activations saved by the ranks' graphs lived as long as the output; they go with
+    the backward now (unless retain_graph)."""
+    import gc
+    import weakref
+    mesh = spmd.Mesh((2,), ("sp",))
+    saved = []
+
+    def body(x):
+        h = x * 3  # sin saves h for its backward
+        saved.append(weakref.ref(h))
+        return spmd.psum(h.sin().sum(), "sp")
+    x = torch.randn(8, requires_grad=True)
+    loss = spmd.shard_map(body, mesh, P("sp"), P())(x)
+    gc.collect()
+    assert all(r() is not None for r in saved)
+    loss.backward()
+    gc.collect()
+    assert all(r() is None for r in saved), "a rank's activation outlived the backward"
+    assert loss.grad_fn is not None  # the output itself is still usable
+
+
+def test_double_backward_is_refused_clearly():
+    """create_graph=True returned a gradient with no graph, silently (item 6)."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.randn(4, requires_grad=True)
+    loss = spmd.shard_map(lambda x: spmd.psum((x ** 3).sum(), "sp"), mesh, P("sp"), P())(x)
+    with pytest.raises(RuntimeError, match=r"create_graph=True, double backward\) is not "
+                       r"supported"):
+        torch.autograd.grad(loss, x, create_graph=True)
