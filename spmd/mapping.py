@@ -149,6 +149,7 @@ class _ShardMap:
     # -- the call ---------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
+        _refuse_functorch()
         leaves, treedef, layouts = self._in_layouts(args)
         grad_on = torch.is_grad_enabled()
         diff = [i for i, x in enumerate(leaves)
@@ -226,6 +227,22 @@ class _ShardMap:
                 for i, t in zip(state.tensor_out_idx, res):
                     global_outs[i] = t
         return optree.tree_unflatten(out_def, global_outs)
+
+
+def _refuse_functorch() -> None:
+    """torch.func's transforms follow tensors on the calling thread: under them the rank
+    threads saw unwrapped tensors (grad and vmap failed deep inside functorch, and jvp
+    returned a zero tangent, silently). A tensor refuses requires_grad_ exactly there."""
+    try:
+        torch.empty(0).requires_grad_()
+    except RuntimeError as e:
+        if "functorch" not in str(e):
+            raise
+        raise RuntimeError(
+            "shard_map cannot run under a torch.func transform (grad, vjp, jvp, jacrev, "
+            "jacfwd, hessian, vmap): differentiate its output with .backward() or "
+            "torch.autograd.grad, batch by adding a dim to the inputs and specs, or apply "
+            "torch.func inside the body, on each rank's shard") from None
 
 
 def _layout_for(x: torch.Tensor, s: Any, mesh: Mesh, where: str) -> Layout:

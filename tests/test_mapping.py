@@ -476,3 +476,26 @@ def test_double_backward_is_refused_clearly():
     with pytest.raises(RuntimeError, match=r"create_graph=True, double backward\) is not "
                        r"supported"):
         torch.autograd.grad(loss, x, create_graph=True)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap", "jvp"])
+def test_torch_func_transforms_are_refused_clearly(transform):
+    """grad/jacrev/vmap failed deep inside functorch, and jvp returned a zero tangent,
+    silently (reliability item 8): one clear error now, naming what to do instead."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    f = spmd.shard_map(lambda x: spmd.psum((x ** 2).sum(), "sp"), mesh, P("sp"), P())
+    x = torch.randn(4)
+    run = {"grad": lambda: torch.func.grad(f)(x), "jacrev": lambda: torch.func.jacrev(f)(x),
+           "vmap": lambda: torch.func.vmap(f)(torch.randn(3, 4)),
+           "jvp": lambda: torch.func.jvp(f, (x,), (torch.ones(4),))}[transform]
+    with pytest.raises(RuntimeError, match=r"shard_map cannot run under a torch.func "
+                       r"transform .* apply torch.func inside the body"):
+        run()
+
+
+def test_torch_func_inside_the_body_works():
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.randn(6, dtype=DT)
+    g = spmd.shard_map(lambda x: torch.func.grad(lambda t: (t ** 3).sum())(x), mesh, P("sp"),
+                       P("sp"))(x)
+    torch.testing.assert_close(g, 3 * x ** 2)
