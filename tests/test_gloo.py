@@ -629,7 +629,9 @@ def _extremes_with_nan(mesh):
     return (x, spmd.pmax(x, "sp"), spmd.pmin(x, "sp"),
             spmd.reduce(block, mesh, P("sp"), op="max", dim=0, sizes=lay),
             spmd.reduce(block, mesh, P("sp"), op="min", dim=0),
-            spmd.pmax(torch.tensor([1.0, 2.0]) * (r + 1), "sp"))
+            spmd.pmax(torch.tensor([1.0, 2.0]) * (r + 1), "sp"),
+            # 800 bytes: the header path (the small ones above are gathered)
+            spmd.pmax(x.repeat(40), "sp"), spmd.pmin(x.repeat(40), "sp"))
 
 
 def test_max_and_min_keep_nan_on_gloo(gloo2):
@@ -645,3 +647,6 @@ def test_max_and_min_keep_nan_on_gloo(gloo2):
         torch.testing.assert_close(got[rank][2], xs.amin(0), equal_nan=True, rtol=0, atol=0)
         assert got[rank][3].isnan().tolist() == [True, True, False, False, False]
         assert got[rank][5].tolist() == [2.0, 4.0]
+        for k, red in ((6, xs.amax(0)), (7, xs.amin(0))):
+            torch.testing.assert_close(got[rank][k], red.repeat(40), equal_nan=True, rtol=0,
+                                       atol=0)

@@ -19,6 +19,9 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 - ``SPMD_VALIDATE=1`` (or ``comm.validate = True``) compares op, arguments, dtypes and
   shapes across ranks before each collective, at the cost of one more small collective,
   and raises the same ``CommError`` on every rank instead of hanging or aborting.
+  Without it, reductions of CPU tensors still carry a small header (``_header.py``)
+  that makes every rank raise when ranks differ in op, dtype or shape, in the same
+  round trip; ``SPMD_VALIDATE=0`` turns that off as well.
 - The caller's tensors are never modified; results are new tensors (results of one
   ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
   ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
@@ -26,6 +29,7 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 import os
 import time
@@ -37,6 +41,8 @@ import torch.distributed as dist
 from ..core._format import shape_str
 from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
+from . import _header
+from ._header import wire_op
 from .base import REDUCE_OPS
 from .stats import count
 
@@ -52,6 +58,11 @@ _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _DCODE = {d: i for i, d in enumerate(_DTYPES)}
 _ROPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ROP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
+# Reductions of at most _SMALL bytes go as one all_gather of fixed-size rows
+# (TorchComm._gathered): [op code + metadata row as int64 | payload bytes].
+_SMALL = 512
+_GMETA = 8 * (1 + _ROW)
+_GROW = _GMETA + _SMALL  # both multiples of 16: payloads are aligned for every dtype
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -86,6 +97,7 @@ class TorchComm:
             raise SpecError("TorchComm needs an initialised torch.distributed process group")
         self.mesh = mesh
         self.validate: bool = os.environ.get("SPMD_VALIDATE", "") == "1"
+        self.checks: bool = os.environ.get("SPMD_VALIDATE", "") != "0"
         self._td = datetime.timedelta(seconds=mesh.timeout)
         self._recs: dict[Group, _PG] = {}
         self._pgs: dict[tuple, dict[tuple[int, ...], object]] = {}
@@ -198,39 +210,104 @@ class TorchComm:
 
     def all_reduce(self, x, op, group, *, name):
         count("all_reduce", name, group, x=x)
-        rop = _rop(op, x.dtype, name)
+        _rop(op, x.dtype, name)
         if group.size == 1:
             return _copy(x)
         rec = self._rec(group)
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
-        if op != "sum" and x.is_floating_point():
-            return self._extreme(x, op, rop, group, rec, seq, name)
-        y = _copy(x)
-        self._call(dist.all_reduce, name, group, rec, seq, _reducible(y), op=rop)
-        return y
-
-    def _extreme(self, x, op, rop, group, rec, seq, name):
-        """max/min where NaN wins, as torch.amax does (gloo's and NCCL's reductions
-        drop it): NaN is sent as the op's identity and one more element says whether
-        any rank holds a NaN; only then does a second all-reduce mark where."""
-        n = x.numel()
-        buf = torch.empty(n + 1, dtype=x.dtype, device=x.device)
-        vals = buf[:n].view(x.shape)
+        if (self._checked(x.device) and x.numel() * x.element_size() <= _SMALL
+                and x.ndim <= _MAXDIM):
+            return self._gathered(x, op, group, rec, seq, name)
+        head = self._header(op, x.dtype, tuple(x.shape), group.size, x.device)
+        wop = wire_op(op, x.dtype)
+        extreme = wop == "max" and x.is_floating_point()
+        # One buffer: [header | NaN flag (no header) | the payload as the wire reduces it]
+        lead = _header.SIZE if head is not None else int(extreme)
+        flag = _header.FLAG if head is not None else 0
+        wire = _reducible(torch.empty(0, dtype=x.dtype, device="meta")).dtype
+        per = 2 if x.dtype.is_complex else 1
+        buf = torch.empty(lead + per * x.numel(), dtype=wire, device=x.device)
+        body = buf[lead:]
+        vals = _unreducible(body, x.dtype).view(x.shape)
         vals.copy_(x.detach())
-        nan = torch.isnan(vals)
-        any_nan = bool(nan.any())
-        if any_nan:
-            vals.masked_fill_(nan, -math.inf if op == "max" else math.inf)
-        buf[n] = (1.0 if op == "max" else -1.0) if any_nan else 0.0
-        self._call(dist.all_reduce, name, group, rec, seq, buf, op=rop)
-        if buf[n].item() != 0:  # the same on every rank: all take this branch
-            where = nan.to(torch.uint8).reshape(-1)
+        if head is not None:
+            buf[:lead].copy_(head.send)
+        if op == "min":
+            _header.reverse_(body)
+        nan = None
+        if extreme:
+            # NaN wins, as in torch.amax (gloo's and NCCL's max drop it): it travels as
+            # max's identity and the flag says some rank holds one; only then does a
+            # second all-reduce mark where.
+            nan = torch.isnan(body)
+            if bool(nan.any()):
+                body.masked_fill_(nan, -math.inf)
+                buf[flag] = 1
+            elif head is None:
+                buf[flag] = 0
+        self._call(dist.all_reduce, name, group, rec, seq, buf, op=_ROPS[wop])
+        if head is not None and not head.ok(buf[:lead]):
+            raise CommError(_mismatch(name, group, head), op=name, axes=group.axes)
+        if extreme and buf[flag].item() != 0:  # the same on every rank: all take this branch
+            where = nan.to(torch.uint8)
             seq = self._enter(rec)
             self._call(dist.all_reduce, name, group, rec, seq, where, op=_ROPS["max"])
-            vals.masked_fill_(where.view(x.shape).bool(), math.nan)
+            body.masked_fill_(where.bool(), math.nan)
+        if op == "min":
+            _header.reverse_(body)
         return vals
+
+    def _checked(self, device: torch.device) -> bool:
+        """Whether the always-on checks apply: CPU only (reading a result back on an
+        accelerator would synchronise the host on every call), not where SPMD_VALIDATE=1
+        checked it all already, and not under SPMD_VALIDATE=0."""
+        return not self.validate and self.checks and device.type == "cpu"
+
+    def _gathered(self, x, op, group, rec, seq, name):
+        """A small reduction as one all_gather of every member's [op, dtype, shape |
+        payload] row, reduced locally: gloo's ring all-reduce of a header and a few
+        elements takes twice the steps of an all-gather, so this is the cheap way to
+        check everything (shape included) in the same round trip. Every member reduces
+        the same rows in the same order, so the result is bitwise equal on all of them;
+        NaN wins (amax/amin) with no second round."""
+        mine = _gathered_meta(op, x.dtype, tuple(x.shape), name)
+        nb = x.numel() * x.element_size()
+        row = torch.empty(_GROW, dtype=torch.uint8, device=x.device)
+        row[:_GMETA].copy_(mine)
+        row[_GMETA:_GMETA + nb].copy_(_bytes(x.detach().contiguous()))
+        row[_GMETA + nb:].zero_()
+        out = row.new_empty(group.size * _GROW)
+        self._call(_all_gather_single, name, group, rec, seq, out, row)
+        out = out.view(group.size, _GROW)
+        if not torch.equal(out[:, :_GMETA], mine.expand(group.size, -1)):
+            metas = out[:, :_GMETA].contiguous().view(torch.int64).tolist()
+            metas = [metas[p] for p in rec.pg_of]
+            for i, m in enumerate(metas):
+                if m[0] != metas[0][0]:
+                    label, a, b = _extra("all_reduce", metas[0][0], m[0])
+                    raise CommError(f"{name} over {_axes(group)}: rank {group.ranks[0]} passed "
+                                    f"{label} {a} but rank {group.ranks[i]} passed {label} {b}; "
+                                    f"every rank must pass the same {label}",
+                                    op=name, axes=group.axes)
+            _check_rows([m[1:] for m in metas], group, name)
+        # Rows are 16-byte aligned, so the payload is viewed in place in any dtype.
+        vals = out[:, _GMETA:_GMETA + nb]
+        if x.dtype == torch.bool:
+            red = vals.bool().all(0) if op == "min" else vals.bool().any(0)
+        else:
+            vals = vals.view(x.dtype)
+            red = (vals.sum(0, dtype=x.dtype) if op == "sum"
+                   else vals.amax(0) if op == "max" else vals.amin(0))
+        return red.view(x.shape)
+
+    def _header(self, op, dtype, shapes, n, device):
+        """The always-on check's header (``_header.py``), where ``_checked``."""
+        if not self._checked(device):
+            return None
+        wire = _reducible(torch.empty(0, dtype=dtype, device="meta")).dtype
+        return _header.header_for(op, dtype, wire, shapes, n, _DCODE.get(dtype, len(_DTYPES)))
 
     def all_reduce_async(self, x, op, group, *, name):
         # In place on the caller's buffer (no copy: this is the bucket path); the wait,
@@ -311,7 +388,7 @@ class TorchComm:
             raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
                             f"group of {n}")
         mine = chunks[group.index]
-        rop = _rop(op, mine.dtype, name)
+        _rop(op, mine.dtype, name)
         if any(c.dtype != mine.dtype for c in chunks):
             raise SpecError(f"{name}: the chunks must share one dtype, got "
                             f"{[shape_str(c.shape, c.dtype) for c in chunks]}")
@@ -328,16 +405,30 @@ class TorchComm:
         k = flat[rec.pg_of[group.index]].numel()
         if m == 0:
             return mine.new_empty(mine.shape)
-        if all(v == m for v in lens):
+        head = self._header(op, mine.dtype, tuple(tuple(c.shape) for c in chunks), n,
+                            mine.device)
+        lead = 0 if head is None else _header.SIZE
+        if head is None and all(v == m for v in lens):
             inp = torch.cat(flat)
         else:
-            inp = flat[0].new_zeros(n, m)
+            # Each rank's segment carries the header, so every rank checks it.
+            rows = flat[0].new_zeros(n, lead + m)
             for p, f in enumerate(flat):
-                inp[p, :f.numel()].copy_(f)
-            inp = inp.view(-1)
-        out = inp.new_empty(m)
-        self._call(_reduce_scatter_single, name, group, rec, seq, out, inp, op=rop)
-        return _unreducible(out[:k], mine.dtype).view(mine.shape)
+                rows[p, lead:lead + f.numel()].copy_(f)
+                if head is not None:
+                    rows[p, :lead].copy_(head.send)
+            inp = rows.view(-1)
+        if op == "min":
+            _header.reverse_(inp[lead:] if head is None else inp.view(n, -1)[:, lead:])
+        out = inp.new_empty(lead + m)
+        self._call(_reduce_scatter_single, name, group, rec, seq, out, inp,
+                   op=_ROPS[wire_op(op, mine.dtype)])
+        if head is not None and not head.ok(out[:lead]):
+            raise CommError(_mismatch(name, group, head), op=name, axes=group.axes)
+        res = out[lead:lead + k]
+        if op == "min":
+            _header.reverse_(res)
+        return _unreducible(res, mine.dtype).view(mine.shape)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):
         count("all_to_all", name, group, chunks=chunks)
@@ -711,6 +802,22 @@ def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
     if op == "broadcast":
         return "src", a, b
     return "pairs", "one set", "another"
+
+
+@functools.lru_cache(maxsize=512)
+def _gathered_meta(op: str, dtype: torch.dtype, shape: tuple[int, ...], name: str
+                   ) -> torch.Tensor:
+    """The metadata bytes of a gathered reduction's row: op code and ``_row_of``."""
+    meta = torch.tensor([_ROP_CODE[op], *_row_of(shape, dtype, name)], dtype=torch.int64)
+    return _bytes(meta)
+
+
+def _mismatch(name: str, group: Group, head) -> str:
+    return (f"{name} over {_axes(group)}: the ranks did not all call it alike: rank "
+            f"{group.rank} called {head.what}, and the header every rank sends with its data "
+            f"says another rank called it with a different reduction op, dtype or shape. "
+            f"The result would be garbage, so every rank raises; run with SPMD_VALIDATE=1 to "
+            f"have the differing ranks named")
 
 
 def _axes(group: Group) -> str:

@@ -46,6 +46,12 @@ def launch_processes(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
         return pool.run(fn, shape, axis_names, args=args)
 
 
+_ABORT_HINT = (
+    "; gloo aborts a process when the ranks call a collective with different element "
+    "counts (its stderr says 'Received data size doesn't match'): SPMD_VALIDATE=1 compares "
+    "them first and raises a CommError naming the ranks instead")
+
+
 class ProcessPool:
     """``world`` gloo processes, started once, running one task after another.
 
@@ -253,14 +259,17 @@ class ProcessPool:
                     done.add(r)
                     self._procs[r].join(1.0)  # reap it, so its exit code is known
                     code = self._procs[r].exitcode
-                    how = f"exit code {code}"
+                    how, hint = f"exit code {code}", ""
                     if code is not None and code < 0:
                         try:
                             how = f"signal {signal.Signals(-code).name}"
                         except ValueError:
                             pass
+                    if code == -signal.SIGABRT:
+                        # gloo's usual abort: its message is on the process's stderr.
+                        hint = _ABORT_HINT
                     errors.append((r, ("died", tid, None,
-                                       f"process exited ({how}) without reporting", ""),
+                                       f"process exited ({how}) without reporting{hint}", ""),
                                    time.monotonic()))
         if errors:
             return results, [(r, m) for r, m, _ in errors]

@@ -35,6 +35,18 @@ def _suite(mesh, axes):
     out["ar_int"] = c.all_reduce(torch.arange(3) * (r + 1), "sum", g, name="psum")
     b = torch.tensor([r == 0, False, True])
     out["ar_bool"] = [c.all_reduce(b, op, g, name="p" + op) for op in ("sum", "min")]
+    for dt in (torch.int8, torch.uint8, torch.int64, torch.float16, torch.bfloat16):
+        lo, hi = (torch.iinfo(dt).min, torch.iinfo(dt).max) if not dt.is_floating_point \
+            else (-65504, 65504)
+        v = torch.tensor([lo, hi, r, 3 - r], dtype=dt)
+        out[f"ar_{dt}"] = [c.all_reduce(v, op, g, name="p" + op) for op in ("max", "min")]
+        out[f"ar_{dt}_sum"] = c.all_reduce(v[2:], "sum", g, name="psum")
+    # Above 512 bytes reductions take the header path, not the gathered one.
+    big = torch.arange(300.0).view(3, 100) * (r + 1) - 7 * r
+    for op in ("sum", "max", "min"):
+        out["ar_big_" + op] = c.all_reduce(big.t(), op, g, name="p" + op)
+        out["ar_big_i8_" + op] = c.all_reduce(big.to(torch.int8), op, g, name="p" + op)
+    out["ar_big_bool"] = [c.all_reduce(big > 150 * r, op, g, name="p" + op) for op in ("sum", "min")]
     out["ar_c64"] = c.all_reduce(torch.tensor([1 + 2j, r * 1j], dtype=torch.complex64), "sum",
                                  g, name="psum")
     # all_gather: member i holds i columns (member 0 holds none).
@@ -116,6 +128,37 @@ def _raises_unpicklable(mesh):
     if mesh.rank == 1:
         raise _Unpicklable(code=7)
     return 0
+
+
+def _unalike(mesh, calls, checks=True, scale=1):
+    """Each rank makes the call ``calls[case][rank]`` per case (op, dtype, shape, or a
+    reduce_scatter's chunk shapes; dim 0 times ``scale``): what each raised, then whether
+    the mesh still works. ``checks=False`` does what SPMD_VALIDATE=0 does."""
+    g, c, r = mesh.group("sp"), comm_of(mesh), mesh.rank
+    c.checks, was = checks, c.checks
+    try:
+        out = []
+        for case in calls:
+            op, dtype, shape = case[r % len(case)]
+            up = (lambda s: (s[0] * scale, *s[1:]))  # noqa: E731
+            shape = tuple(map(up, shape)) if isinstance(shape[0], tuple) else up(shape)
+            try:
+                if isinstance(shape[0], tuple):
+                    c.reduce_scatter([torch.ones(s, dtype=dtype) for s in shape], op, g,
+                                     name="psum_scatter")
+                else:
+                    c.all_reduce(torch.ones(shape, dtype=dtype), op, g, name="p" + op)
+                out.append(None)
+            except CommError as e:
+                out.append(str(e))
+        return out, _rank_sum(mesh)
+    finally:
+        c.checks = was  # the pool's processes serve later tests
+
+
+def _counts_differ(mesh, n):
+    return comm_of(mesh).all_reduce(torch.ones(n + mesh.rank), "sum", mesh.group("sp"),
+                                    name="psum")
 
 
 def _dies_on_1(mesh):
@@ -240,6 +283,75 @@ def test_validation_mismatch_same_error_everywhere(gloo2):
                        r"along dim 0"):
         gloo2.run(_gather_mismatch, (2,), ("sp",))
     assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+_F32 = torch.float32
+UNALIKE_2 = [
+    [("sum", _F32, (4,)), ("max", _F32, (4,))],                # psum on one, pmax on the other
+    [("min", _F32, (4,)), ("max", _F32, (4,))],
+    [("sum", _F32, (4,)), ("sum", torch.int32, (4,))],         # equal byte size
+    [("max", torch.float64, (3,)), ("max", torch.int64, (3,))],
+    [("sum", _F32, (2, 3)), ("sum", _F32, (3, 2))],            # equal element count
+    [("sum", torch.bool, (5,)), ("sum", torch.uint8, (5,))],
+    [("sum", _F32, ((2, 3), (1,))), ("sum", _F32, ((3, 2), (1,)))],  # reduce_scatter
+    [("min", torch.int8, (4,)), ("sum", torch.int8, (4,))],
+]
+
+
+def test_unalike_reductions_raise_on_every_rank_without_validation(gloo2):
+    """Reliability item 4: without SPMD_VALIDATE, a reduction called with another op,
+    dtype or shape on another rank returned garbage (or, psum against pmax, aborted the
+    process). Small ones (<= 512 bytes) are gathered with their metadata: the same
+    error, naming both calls, on every rank. Larger ones carry a header: every rank
+    raises, naming its own call."""
+    small = gloo2.run(_unalike, (2,), ("sp",), args=(UNALIKE_2,))
+    large = gloo2.run(_unalike, (2,), ("sp",), args=(UNALIKE_2, True, 200))
+    for got in (small, large):
+        for rank, (errs, after) in enumerate(got):
+            assert after == 1.0  # the process group is still in step
+            for case, err in zip(UNALIKE_2, errs):
+                assert err is not None, f"rank {rank} returned for {case}"
+    for case, e0, e1 in zip(UNALIKE_2, small[0][0], small[1][0]):
+        if isinstance(case[0][2][0], tuple):  # reduce_scatter: always the header
+            assert "did not all call it alike" in e0, e0
+            continue
+        # The same message on both (but for the op's name, e.g. psum against pmax).
+        assert e0.split(" ", 1)[1] == e1.split(" ", 1)[1], (e0, e1)
+        assert "rank 0 passed" in e0 and "rank 1 passed" in e0, e0
+        assert "every rank must pass the same" in e0, e0
+    for rank, (errs, _) in enumerate(large):
+        for case, err in zip(UNALIKE_2, errs):
+            assert "did not all call it alike" in err and "SPMD_VALIDATE=1" in err, err
+            assert f"rank {rank} called '{case[rank][0]}'" in err, err
+    # Alike calls pass (the header reads back as expected on both ranks).
+    same = [[c[0], c[0]] for c in UNALIKE_2] + [[c[1], c[1]] for c in UNALIKE_2]
+    for scale in (1, 200):
+        errs = gloo2.run(_unalike, (2,), ("sp",), args=(same, True, scale))
+        assert errs == [([None] * len(same), 1.0)] * 2
+    # SPMD_VALIDATE=0 opts out: the same byte-size mismatch then passes unnoticed.
+    errs = gloo2.run(_unalike, (2,), ("sp",), args=([UNALIKE_2[2]], False, 64))
+    assert errs == [([None], 1.0)] * 2
+
+
+def test_one_pmin_among_four_pmaxes_raises_everywhere(gloo4):
+    """Had min travelled as min, max(min(h, h_min), h) == h would hide it from the max
+    ranks of a chain; min travels as max of reversed values."""
+    calls = [[("max", _F32, (8,)), ("min", _F32, (8,)), ("max", _F32, (8,)),
+              ("max", _F32, (8,))]]
+    got = gloo4.run(_unalike, (4,), ("sp",), args=(calls, True, 200))  # the header path
+    assert all(errs[0] is not None and after == 6.0 for errs, after in got), got
+
+
+def test_unequal_element_counts_small_raise_large_abort_with_a_hint(gloo2):
+    """Small reductions are gathered whole, so differing element counts raise the same
+    CommError everywhere. What the header cannot catch: gloo aborts a process whose
+    reduction receives more data than it expects, before any result exists; the
+    launcher says what it means."""
+    with pytest.raises(CommError, match=r"rank 0 passed f32\[4\] but rank 1 passed f32\[5\]"):
+        gloo2.run(_counts_differ, (2,), ("sp",), args=(4,))
+    with pytest.raises(RuntimeError, match=r"signal SIGABRT.*different element counts.*"
+                       r"SPMD_VALIDATE=1"):
+        launch(_counts_differ, (2,), ("sp",), args=(400,), backend="gloo", timeout=30)
 
 
 def test_timeout_names_missing_rank_and_pool_recovers(gloo2):
