@@ -17,6 +17,7 @@ summed over A; an output replicated over A has its cotangent divided by |A|.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ import optree
 import torch
 
 from .collectives._anchor import collect_anchors
-from .comm import comm_of
+from .comm import comm_of, validating
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
 from .core import _tree
@@ -33,6 +34,7 @@ from .core._format import describe, shape_str
 from .core.errors import SpecError
 from .core.layout import Layout
 from .core.mesh import Mesh
+from .core.provenance import mark
 from .core.spec import P
 
 __all__ = ["shard_map"]
@@ -146,6 +148,16 @@ class _ShardMap:
                 self._in_cache.pop(next(iter(self._in_cache)))
         return leaves, treedef, hit
 
+    def _check_same_globals(self, leaves: list, args: tuple) -> None:
+        """Under validation, per-rank on processes: every rank must pass the same global
+        arguments (and ``params``), since each splits its own copy and keeps its shard.
+        One all_gather of fingerprints; the same SpecError on every rank."""
+        paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
+        named = [(_tree.keystr("args", p), x) for p, x in zip(paths, leaves)]
+        if self.params_fn is not None:
+            named += [(f"params[{j}]", t) for j, t in enumerate(self.params_fn())]
+        _check_same_across(self.mesh, named, "shard_map")
+
     # -- the call ---------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
@@ -167,6 +179,10 @@ class _ShardMap:
                   self.mesh.backend == "threads" and lay.replicated_axes
                   for r in mine if any(self.mesh.axis_index(a, r) for a in lay.replicated_axes)}
 
+        check = validating(self.mesh)
+        if check and per_rank and self.mesh.backend == "torch":
+            self._check_same_globals(leaves, args)
+
         def run_rank(rank: int):
             local_in = []
             loc = list(detached)
@@ -178,6 +194,8 @@ class _ShardMap:
                     if i in diff_set:
                         t = t.requires_grad_()
                         local_in.append(t)
+                    if check:
+                        mark(t, lay)
                     loc[i] = t
             args_local = optree.tree_unflatten(treedef, loc)
             if not grad_on:  # rank threads start with grad mode on
@@ -416,10 +434,23 @@ class _State:
         """Ranks that found different parameters would all-reduce buffers of different
         sizes, which gloo answers by aborting the process: compare first (int64)."""
         n_in, n_par = len(self.diff), len(self.params)
-        mine = torch.tensor([[n_in, n_par, sum(t.numel() for t in inputs)]], dtype=torch.int64,
-                            device=inputs[0].device if inputs else None)
+        # Under validation, also the parameters found in the graphs (params= ones were
+        # compared before the forward): a rank's own copies must be everyone's.
+        fp = 0
+        if validating(self.mesh) and self.sm.params_fn is None:
+            fp = hash(tuple(_fingerprint(p) for p in self.params)) & _MASK
+        mine = torch.tensor([[n_in, n_par, sum(t.numel() for t in inputs), fp]],
+                            dtype=torch.int64, device=inputs[0].device if inputs else None)
         rows = [t[0].tolist() for t in comm_of(self.mesh).all_gather(
             mine, group, 0, name="shard_map backward check", sizes=(1,) * group.size)]
+        if all(r[:3] == rows[0][:3] for r in rows) and any(r != rows[0] for r in rows):
+            differ = [group.ranks[i] for i, r in enumerate(rows) if r != rows[0]]
+            raise SpecError(
+                f"shard_map backward (SPMD_VALIDATE=1): the parameters the body used differ "
+                f"between rank {group.ranks[0]} and rank{'s' * (len(differ) > 1)} "
+                f"{', '.join(map(str, differ))}: each process used its own copy, so the "
+                f"forward mixed them; initialise them alike on every rank (same seed, or "
+                f"broadcast from one rank)")
         if any(r != rows[0] for r in rows):
             desc = ", ".join(f"rank {group.ranks[i]}: {r[0]} inputs + {r[1]} parameters "
                              f"({r[2]} elements)" for i, r in enumerate(rows))
@@ -427,6 +458,52 @@ class _State:
                 f"shard_map backward: ranks found different tensors to differentiate ({desc}); "
                 f"every rank's body must use the same parameters (pass params=... "
                 f"explicitly, or an nn.Module as f)")
+
+
+def _fingerprint(x: Any) -> int:
+    """63 bits that differ, but for a collision, where two ranks' values differ: the
+    tensor's dtype, shape and bytes (two weighted sums of its 32-bit words, in bounded
+    chunks), or a plain Python value's repr; other objects give 0 (not compared)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().contiguous().view(-1)
+        h = zlib.crc32(f"{t.dtype}{tuple(x.shape)}".encode())
+        b = t.view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+        words = b.view(torch.int32) if b.numel() % 4 == 0 else b
+        s1 = s2 = 0
+        for off in range(0, words.numel(), _CHUNK):
+            v = words[off:off + _CHUNK].to(torch.int64)
+            w = torch.arange(off, off + v.numel(), device=v.device) % 65521 + 1
+            s1, s2 = s1 + int(v.sum()), s2 + int((v * w).sum())
+        return hash((h, s1, s2)) & _MASK  # ints hash alike in every process
+    if x is None or isinstance(x, (bool, int, float, str, complex)):
+        return zlib.crc32(repr(x).encode()) + 1
+    return 0
+
+
+_CHUNK = 1 << 20
+_MASK = (1 << 63) - 1
+
+
+def _check_same_across(mesh: Mesh, named: list[tuple[str, Any]], what: str) -> None:
+    group = mesh.group(mesh.axis_names, mesh.rank)
+    mine = torch.tensor([_fingerprint(v) for _, v in named], dtype=torch.int64,
+                        device=mesh.device)
+    got = [t.tolist() for t in comm_of(mesh).all_gather(mine, group, 0, name=f"{what} check")]
+    for i, row in enumerate(got):
+        if len(row) != len(got[0]):
+            raise SpecError(f"{what}: rank {group.ranks[i]} passed {len(row)} arguments and "
+                            f"parameters, rank {group.ranks[0]} {len(got[0])}")
+    for j, (name, _) in enumerate(named):
+        differ = [group.ranks[i] for i, row in enumerate(got) if row[j] != got[0][j]]
+        if differ:
+            raise SpecError(
+                f"{what} (SPMD_VALIDATE=1): {name} differs between ranks: rank "
+                f"{group.ranks[0]} and rank{'s' * (len(differ) > 1)} "
+                f"{', '.join(map(str, differ))} passed different values. Each process "
+                f"splits its own copy of a global argument (and uses its own parameters) and "
+                f"keeps its shard, so copies "
+                f"that differ mix into a wrong result: give every rank the same value (seed "
+                f"the initialisation alike, or broadcast it from one rank)")
 
 
 def _same_py(a: Any, b: Any) -> bool:

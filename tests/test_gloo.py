@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import time
 
 import numpy as np
@@ -650,3 +651,38 @@ def test_max_and_min_keep_nan_on_gloo(gloo2):
         for k, red in ((6, xs.amax(0)), (7, xs.amin(0))):
             torch.testing.assert_close(got[rank][k], red.repeat(40), equal_nan=True, rtol=0,
                                        atol=0)
+
+
+def _differing_globals(mesh, what):
+    """Per-rank shard_map on processes where rank 1's copy of one global differs: the
+    argument, a params= tensor, or a parameter found in the graph. What each rank got."""
+    c = spmd.comm.comm_of(mesh)
+    c.validate = True
+    try:
+        r = mesh.rank
+        x = torch.arange(8.0) + (r if what == "args" else 0)
+        w = torch.tensor(2.0 + (r if what in ("params", "found") else 0), requires_grad=True)
+        f = spmd.shard_map(lambda s: spmd.psum((s * w).sum(), "sp"), mesh, P("sp"), P(),
+                           params=[w] if what == "params" else None)
+        try:
+            f(x).backward()
+            return w.grad.item()
+        except spmd.SpecError as e:
+            return str(e)
+    finally:
+        c.validate = False  # the pool's processes serve later tests
+
+
+@pytest.mark.parametrize("what, err", [
+    ("args", r"shard_map \(SPMD_VALIDATE=1\): args\[0\] differs between ranks: rank 0 and "
+             r"rank 1 passed different values"),
+    ("params", r"params\[0\] differs between ranks"),
+    ("found", r"shard_map backward \(SPMD_VALIDATE=1\): the parameters the body used differ "
+              r"between rank 0 and rank 1"),
+])
+def test_ranks_passing_different_globals_raise_under_validation(gloo2, what, err):
+    """Reliability item 5: each process split its own copy of the global argument (or
+    used its own parameters) and the result silently mixed them."""
+    got = gloo2.run(_differing_globals, (2,), ("sp",), args=(what,))
+    assert all(isinstance(g, str) and re.search(err, g) for g in got), got
+    assert gloo2.run(_differing_globals, (2,), ("sp",), args=("none",)) == [28.0, 28.0]

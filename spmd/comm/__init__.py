@@ -6,6 +6,7 @@ that backend's communicator on first use and keeps it with the mesh.
 """
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ from .base import REDUCE_OPS, Comm
 if TYPE_CHECKING:
     from ..core.mesh import Mesh
 
-__all__ = ["Comm", "REDUCE_OPS", "comm_of"]
+__all__ = ["Comm", "REDUCE_OPS", "comm_of", "validating"]
 
 _lock = threading.Lock()
 
@@ -36,6 +37,18 @@ def comm_of(mesh: Mesh) -> Comm:
             if c is None:
                 c = mesh._comm = _make(mesh)
     return c
+
+
+def validating(mesh: Mesh) -> bool:
+    """Whether the debugging checks are on for ``mesh``: ``SPMD_VALIDATE=1`` in the
+    environment, or ``comm_of(mesh).validate = True`` on the torch backend.
+
+    Example:
+        >>> validating(Mesh((2,), ("sp",)))  # SPMD_VALIDATE unset
+        False
+    """
+    v = getattr(mesh._comm, "validate", None) if mesh._comm is not None else None
+    return v if v is not None else os.environ.get("SPMD_VALIDATE", "") == "1"
 
 
 def _make(mesh: Mesh) -> Comm:

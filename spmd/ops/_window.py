@@ -21,6 +21,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
 from ..core.mesh import Mesh
+from ..core.provenance import marked
 from ..core.spec import P, as_spec
 from ..transforms.halo import check_mode, fetch_range
 
@@ -41,17 +42,36 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
                             f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
                             f"on {mesh!r}")
         spec.size_check(x.shape, rc.rank, "x")
-        return rc, spec
+        return rc, _agrees(x, spec, what)
     spec = as_spec(spec)
     Layout((0,) * x.ndim, spec, mesh)  # validates the spec before anything moves
     axes = spec.axes
     if not axes:
-        return rc, Layout(x.shape, spec, mesh)
+        return rc, _agrees(x, Layout(x.shape, spec, mesh), what)
     group = mesh.group(axes, rc.rank)
     mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
     got = comm_of(mesh).all_gather(mine, group, 0, name=f"{what} sizes", sizes=(1,) * group.size)
     shapes = tuple((r, tuple(int(v) for v in t[0].tolist())) for r, t in zip(group.ranks, got))
-    return rc, _from_shapes(shapes, spec, _MeshOf(mesh), what)
+    return rc, _agrees(x, _from_shapes(shapes, spec, _MeshOf(mesh), what), what)
+
+
+def _agrees(x: torch.Tensor, lay: Layout, what: str) -> Layout:
+    """``lay``, checked against the layout shard_map split ``x`` by, where it marked it
+    (under SPMD_VALIDATE=1; ``core/provenance.py``). Every rank holds the same mark and
+    spec, so every rank raises alike."""
+    real = marked(x)
+    if real is not None and real != lay:
+        raise SpecError(
+            f"{what}: spec={lay.spec!r} describes x as a shard of {describe_layout(lay)}, but "
+            f"x is a shard_map argument split as {describe_layout(real)}; pass "
+            f"the split it has (spec={real.spec!r}, or its Layout, which holds the sizes)")
+    return lay
+
+
+def describe_layout(lay: Layout) -> str:
+    cut = [f"dim {d} over {lay.dim_axes(d)} (sizes {list(lay.sizes[d])})"
+           for d in range(lay.ndim) if lay.sizes[d] is not None]
+    return f"{list(lay.shape)} cut along " + (", ".join(cut) if cut else "no dim (replicated)")
 
 
 @lru_cache(maxsize=256)
