@@ -2,7 +2,8 @@
 
 Every method runs on one rank and takes that rank's ``Group`` (from ``mesh.group``).
 Uneven sizes are normal: ``all_gather`` takes chunks of different lengths along ``dim``,
-``reduce_scatter`` and ``all_to_all`` take one chunk per member, each of any shape.
+``reduce_scatter``, ``all_to_all`` and ``scatter`` take one chunk per member, each of any
+shape.
 ``name`` is the public op that asked (for timeout and mismatch messages).
 """
 from __future__ import annotations
@@ -55,6 +56,21 @@ class Comm(Protocol):
 
         ``shapes``: the shapes this member receives, in group order, when the caller's
         plan knows them (all chunks of one dtype): skips a metadata exchange.
+        """
+
+    def scatter(self, chunks: list[torch.Tensor] | None, src: int, group: Group, *,
+                name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """Member ``src``'s ``chunks[i]`` on member i, as a new tensor.
+
+        ``chunks``: on ``src``, one tensor per member, in group order (views of one
+        tensor, strided ones too: they are read in place, never copied whole); elsewhere
+        None. ``shape``, ``dtype``, ``device``: what this member receives, from the
+        caller's plan (no metadata exchange). A plan that differs from ``src``'s chunk
+        is a CommError: on every member under validation, else on that member (CPU) or
+        undefined (accelerators). The source sends nothing to itself and fills its own
+        result last, so its peak is its chunks plus that result (strided chunks are
+        staged through a few MiB, taken from that result where it has room).
         """
 
     def permute(self, x: torch.Tensor, group: Group, pairs: tuple[tuple[int, int], ...], *,

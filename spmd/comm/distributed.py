@@ -22,14 +22,21 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   Without it, reductions of CPU tensors still carry a small header (``_header.py``)
   that makes every rank raise when ranks differ in op, dtype or shape, in the same
   round trip; ``SPMD_VALIDATE=0`` turns that off as well.
+- ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
+  that both sides derive from the shape: the source reads its chunks in place (strided
+  ones staged piece by piece) and sends nothing to itself; receivers receive straight
+  into their result. Without validation, on CPU, each receiver first gets the metadata
+  row of what it is sent: plans that differ raise there instead of aborting the process.
 - The caller's tensors are never modified; results are new tensors (results of one
   ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
   ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
 """
 from __future__ import annotations
 
+import collections
 import datetime
 import functools
+import itertools
 import math
 import os
 import time
@@ -51,7 +58,7 @@ __all__ = ["TorchComm"]
 _MAXDIM = 16
 _ROW = 3 + _MAXDIM  # dtype code, ndim, numel, shape padded with -1
 _OPCODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
-            "permute": 5, "broadcast": 6, "barrier": 7}
+            "permute": 5, "broadcast": 6, "barrier": 7, "scatter": 8}
 _OPNAMES = {v: k for k, v in _OPCODES.items()}
 # Every dtype torch knows, in a fixed order: the same codes in every process.
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -63,6 +70,14 @@ _ROP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
 _SMALL = 512
 _GMETA = 8 * (1 + _ROW)
 _GROW = _GMETA + _SMALL  # both multiples of 16: payloads are aligned for every dtype
+
+# scatter sends every chunk in pieces of at most _PIECE bytes (a plan both sides derive
+# from the shape), strided ones copied through _STAGES staging buffers (a piece's copy
+# overlaps the previous piece's send), carved from the source's own result where it has
+# room: the source never holds more than its tensor plus max(own shard, _STAGES * _PIECE).
+# A multiple of 16 bytes, so that every stage is aligned for every dtype.
+_PIECE = 4 << 20
+_STAGES = 2
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -477,6 +492,151 @@ class TorchComm:
             res.append(seg.view(dt).view(r[3:3 + r[1]]))
         return res
 
+    def scatter(self, chunks, src, group, *, name, shape, dtype, device):
+        n, me = group.size, group.index
+        if not 0 <= src < n:
+            raise SpecError(f"{name}: src {src} is not a member index of {_axes(group)} "
+                            f"(0..{n - 1})")
+        if me == src and (chunks is None or len(chunks) != n):
+            raise CommError(f"{name}: rank {group.rank} (the source) passed "
+                            f"{'no' if chunks is None else len(chunks)} chunks for a group "
+                            f"of {n}")
+        count("all_to_all", name, group, chunks=chunks if me == src else [])
+        if n == 1:
+            return _copy(chunks[0])
+        rec = self._rec(group)
+        seq = self._enter(rec)
+        shape = tuple(shape)
+        if self.validate:
+            self._validate_scatter(rec, group, seq, chunks, src, shape, dtype, name)
+        # Without validation, on CPU (as _checked), each receiver first gets the metadata
+        # row of what the source sends it: plans that differ (rank-dependent sizes) are
+        # then a CommError on that receiver, not garbage or gloo aborting the process.
+        head = self._checked(torch.device(device))
+        if me != src:
+            return self._recv_pieces(group, rec, seq, src, shape, dtype, device, name, head)
+        mine = chunks[me].detach()
+        out = torch.empty(mine.shape, dtype=mine.dtype, device=mine.device)
+        self._send_pieces(chunks, group, rec, seq, name, _bytes(out), head)
+        # Filled last, once every send finished: the peak is the chunks plus this shard.
+        return out.copy_(mine)
+
+    def _recv_pieces(self, group, rec, seq, src, shape, dtype, device, name, head):
+        """scatter on a receiving member: straight into the result, piece by piece."""
+        peer = group.ranks[src]
+        deadline = time.monotonic() + self.mesh.timeout
+        if head:
+            row = torch.empty(_ROW, dtype=torch.int64, device=device)
+            self._p2p(dist.irecv, row, peer, name, group, rec, seq, [peer], deadline)
+            sent, want = row.tolist(), _row_of(shape, dtype, name)
+            if sent != want:
+                # Take what the source sends (it must not hang), then refuse it.
+                sdt, sshape = _dtype(sent[0], name), tuple(sent[3:3 + sent[1]])
+                junk = torch.empty(min(_PIECE, sent[2] * sdt.itemsize), dtype=torch.uint8,
+                                   device=device)
+                for _, k in _pieces(sshape, sdt.itemsize):
+                    self._p2p(dist.irecv, junk[:k * sdt.itemsize], peer, name, group, rec,
+                              seq, [peer], deadline)
+                raise CommError(
+                    f"{name} over {_axes(group)}: rank {group.rank} expected "
+                    f"{_describe_row(want)} from rank {peer} but it sends "
+                    f"{_describe_row(sent)}; the ranks' plans disagree (an argument that "
+                    f"differs from rank to rank, e.g. sizes or spec). Raised on this rank "
+                    f"only; SPMD_VALIDATE=1 raises it on every rank", op=name, axes=group.axes)
+        out = torch.empty(shape, dtype=dtype, device=device)
+        works = []
+        for idx, _ in _pieces(shape, out.element_size()):
+            try:
+                works.append(dist.irecv(_piece_bytes(out[idx]), peer, group=rec.pg))
+            except RuntimeError as e:
+                raise self._failure(e, name, group, rec, seq, [peer]) from e
+        for w in works:
+            self._wait(w, name, group, rec, seq, [peer], deadline)
+        return out
+
+    def _p2p(self, fn, t, peer, name, group, rec, seq, peers, deadline) -> None:
+        """One blocking isend/irecv of contiguous ``t``, bounded by ``deadline``."""
+        try:
+            work = fn(_bytes(t), peer, group=rec.pg)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq, peers) from e
+        self._wait(work, name, group, rec, seq, peers, deadline)
+
+    def _send_pieces(self, chunks, group, rec, seq, name, spare: torch.Tensor,
+                     head: bool) -> None:
+        """scatter's source side: every other member's chunk, in ``_pieces`` order
+        (after its metadata row where ``head``). Contiguous pieces (all of a contiguous
+        chunk) go as they are; strided ones through ``_STAGES`` staging buffers, each
+        reused once its send finished. The buffers are carved from ``spare`` (the bytes
+        of the source's own result, not written yet) where it is large enough, so that
+        they cost no memory of their own."""
+        me = group.index
+        peers = sorted(group.ranks[i] for i in range(group.size) if i != me)
+        deadline = time.monotonic() + self.mesh.timeout
+        stages: list[torch.Tensor | None] = [None] * _STAGES
+        if spare.numel() >= _STAGES * _PIECE:
+            stages = [spare[k * _PIECE:(k + 1) * _PIECE] for k in range(_STAGES)]
+        free = list(range(_STAGES))
+        pending: collections.deque = collections.deque()  # (work, stage or None), oldest first
+
+        def wait_oldest() -> None:
+            w, k = pending.popleft()
+            self._wait(w, name, group, rec, seq, peers, deadline)
+            if k is not None:
+                free.append(k)
+
+        rows = None
+        if head:
+            rows = torch.tensor([_row(c, name) for c in chunks], dtype=torch.int64,
+                                device=chunks[me].device)
+        for i, c in enumerate(chunks):
+            if i == me:
+                continue
+            if rows is not None:
+                try:
+                    pending.append((dist.isend(_bytes(rows[i]), group.ranks[i],
+                                               group=rec.pg), None))
+                except RuntimeError as e:
+                    raise self._failure(e, name, group, rec, seq, peers) from e
+            c = c.detach()
+            for idx, _ in _pieces(tuple(c.shape), c.element_size()):
+                piece, k = c[idx], None
+                if not piece.is_contiguous():
+                    while not free:
+                        wait_oldest()
+                    k = free.pop()
+                    if stages[k] is None:
+                        stages[k] = torch.empty(_PIECE, dtype=torch.uint8, device=c.device)
+                    buf = stages[k][:piece.numel() * c.element_size()]
+                    piece = buf.view(c.dtype).view(piece.shape).copy_(piece)
+                try:
+                    pending.append((dist.isend(_piece_bytes(piece), group.ranks[i],
+                                               group=rec.pg), k))
+                except RuntimeError as e:
+                    raise self._failure(e, name, group, rec, seq, peers) from e
+        while pending:
+            wait_oldest()
+
+    def _validate_scatter(self, rec, group, seq, chunks, src, shape, dtype, name) -> None:
+        """``_validate`` with the source's chunk rows and, in each other member's slot,
+        the row it expects: the first member whose expectation differs from what the
+        source sends is the same CommError on every rank."""
+        n, me = group.size, group.index
+        if me == src:
+            rows = [_row(c, name) for c in chunks]
+        else:
+            rows = [[-1] * _ROW] * n
+            rows[me] = _row_of(shape, dtype, name)
+        per = self._validate(rec, group, seq, "scatter", src, [], name, rows=rows)
+        for i in range(n):
+            if i != src and per[i][i] != per[src][i]:
+                raise CommError(
+                    f"{name} over {_axes(group)}: rank {group.ranks[i]} expected "
+                    f"{_describe_row(per[i][i])} from rank {group.ranks[src]} but it sends "
+                    f"{_describe_row(per[src][i])}; the ranks' plans disagree (an argument "
+                    f"that differs from rank to rank, e.g. sizes or spec)",
+                    op=name, axes=group.axes)
+
     def permute(self, x, group, pairs, *, name):
         count("permute", name, group, x=x, pairs=pairs)
         me = group.index
@@ -584,12 +744,14 @@ class TorchComm:
                     f"e.g. a halo width)", op=name, axes=group.axes)
 
     def _validate(self, rec, group, seq, op, extra, tensors, name, *, count=None,
-                  skip_dim=None) -> list[list[list[int]]]:
+                  skip_dim=None, rows=None) -> list[list[list[int]]]:
         """Compare op, ``extra`` argument, chunk count and tensor metadata across members,
-        with one all_gather of a fixed-size int64 vector; the same CommError on every rank."""
+        with one all_gather of a fixed-size int64 vector; the same CommError on every rank.
+        ``rows``: n metadata rows to send instead of ``tensors``' (compared by the caller)."""
         n = group.size
-        rows = [_row(t, name) for t in tensors[:n]]
-        rows += [[-1] * _ROW] * (n - len(rows))
+        if rows is None:
+            rows = [_row(t, name) for t in tensors[:n]]
+            rows += [[-1] * _ROW] * (n - len(rows))
         vec = [_OPCODES[op], int(extra), len(tensors) if count is None else count]
         vec += [v for r in rows for v in r]
         dev = tensors[0].device if tensors else self.mesh.device
@@ -617,7 +779,7 @@ class TorchComm:
                                 f"but rank {ranks[i]} passed {label} {b}; every rank must pass "
                                 f"the same {label}")
         per = [[v[3 + j * _ROW:3 + (j + 1) * _ROW] for j in range(n)] for v in allv]
-        if op != "all_to_all":
+        if op not in ("all_to_all", "scatter"):
             for j in range(len(tensors[:n])):
                 _check_rows([p[j] for p in per], group, name, skip_dim=skip_dim,
                             chunk=j if op == "reduce_scatter" else None)
@@ -714,11 +876,38 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
 
+def _piece_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``_bytes`` of a contiguous piece whose dims of size 1 may have any stride (a
+    piece of a strided view: ``view`` keeps those strides and then refuses the bytes)."""
+    return _bytes(t.as_strided((t.numel(),), (1,)))
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
         n *= s
     return n
+
+
+def _pieces(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple, int]]:
+    """(index, numel) of the pieces that scatter sends a chunk of ``shape`` in: blocks of
+    at most ``_PIECE`` bytes in C order, each contiguous in a contiguous tensor of
+    ``shape``. A function of the shape alone: sender and receiver agree without a word."""
+    total = _numel(shape)
+    if total == 0:
+        return []
+    limit = max(_PIECE // itemsize, 1)
+    d, inner = len(shape), 1  # the trailing dims d.. fit whole into one piece
+    while d and inner * shape[d - 1] <= limit:
+        d -= 1
+        inner *= shape[d]
+    if d == 0:
+        return [((), total)]
+    step = max(limit // inner, 1)  # along dim d - 1, under every index of the dims before
+    last = shape[d - 1]
+    return [((*lead, slice(j, min(j + step, last))), (min(j + step, last) - j) * inner)
+            for lead in itertools.product(*map(range, shape[:d - 1]))
+            for j in range(0, last, step)]
 
 
 def _rop(op: str, dtype: torch.dtype, name: str):
@@ -799,7 +988,7 @@ def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
         return "reduction op", repr(REDUCE_OPS[a]), repr(REDUCE_OPS[b])
     if op == "all_gather":
         return "dim", a, b
-    if op == "broadcast":
+    if op in ("broadcast", "scatter"):
         return "src", a, b
     return "pairs", "one set", "another"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..core._format import describe
+from ..core._format import describe, shape_str
 from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from .base import REDUCE_OPS
@@ -255,6 +255,34 @@ class ThreadComm:
                             f"{[list(s) for s in shapes]} but got "
                             f"{[list(t.shape) for t in got]}")
         return got
+
+    def scatter(self, chunks, src, group, *, name, shape, dtype, device):
+        n, me = group.size, group.index
+        if not 0 <= src < n:
+            raise SpecError(f"{name}: src {src} is not a member index of {_axes(group)} "
+                            f"(0..{n - 1})")
+        if me == src and (chunks is None or len(chunks) != n):
+            raise CommError(f"{name}: rank {group.rank} (the source) passed "
+                            f"{'no' if chunks is None else len(chunks)} chunks for a group "
+                            f"of {n}")
+        count("all_to_all", name, group, chunks=chunks if me == src else [])
+
+        def combine(ps):
+            cs = ps[src][0]
+            for i, (_, shp, dt, _) in enumerate(ps):
+                if tuple(cs[i].shape) != shp or cs[i].dtype != dt:
+                    raise CommError(
+                        f"{name} over {_axes(group)}: rank {group.ranks[i]} expected "
+                        f"{shape_str(shp, dt)} from rank {group.ranks[src]} but it sends "
+                        f"{describe(cs[i])}; the ranks' plans disagree (an argument that "
+                        f"differs from rank to rank, e.g. sizes or spec)")
+            # Copied here, before any member returns: the source may write to its tensor
+            # as soon as its call returns.
+            return [cs[i].detach().to(ps[i][3], copy=True, memory_format=torch.contiguous_format)
+                    for i in range(n)]
+        payload = (chunks if me == src else None, tuple(shape), dtype, torch.device(device))
+        return self.exchange(group, f"scatter(src={src})", payload, name=name,
+                             combine=combine)[me]
 
     def permute(self, x, group, pairs, *, name):
         count("permute", name, group, x=x, pairs=pairs)

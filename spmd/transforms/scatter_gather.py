@@ -1,9 +1,11 @@
 """``scatter`` and ``gather``: a whole tensor on one rank <-> its shards on every rank.
 
-Both are one ``all_to_all`` over all mesh axes in which only the ranks that hold data
-send, and each rank receives only what it keeps: ``scatter`` sends every rank exactly
-its shard of ``Layout(shape, spec, mesh, sizes)`` from ``src``; ``gather`` sends one
-copy of every shard to ``dst``. Metadata travels first as fixed-length int64 tensors
+Each is one exchange over all mesh axes in which only the ranks that hold data send,
+and each rank receives only what it keeps: ``scatter`` sends every rank exactly its
+shard of ``Layout(shape, spec, mesh, sizes)`` from ``src`` (the comm's ``scatter``,
+which reads the shards as views of ``x``: ``src`` holds ``x`` plus its own shard, not
+copies of every shard); ``gather`` sends one copy of every shard to ``dst`` (an
+``all_to_all``). Metadata travels first as fixed-length int64 tensors
 (a dtype code table, never pickles), so ranks without data need not know the shape,
 and shape errors are raised on every rank before any data moves.
 
@@ -64,11 +66,14 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
     """Cut the whole tensor ``x`` held by rank ``src`` into shards; every rank gets its own.
 
     Each rank returns its shard of ``Layout(x.shape, spec, mesh, sizes)`` (uneven and
-    zero-size shards allowed). ``src`` sends each rank exactly its shard in one
-    ``all_to_all`` over all mesh axes (ranks replicated over mesh axes absent from
-    ``spec`` each receive a copy); no other rank sends data. Shape, dtype and
-    requires_grad come from ``src`` first as one fixed-length int64 broadcast (counted
-    by ``comm_stats`` as ``"scatter meta"``; the data as ``"scatter"``).
+    zero-size shards allowed). ``src`` sends each rank exactly its shard, over all mesh
+    axes (ranks replicated over mesh axes absent from ``spec`` each receive a copy);
+    no other rank sends data. It sends the shards as views of ``x`` (strided ones
+    through staging buffers of a few MiB) and copies its own last, so its peak is ``x``
+    plus its shard (1 + 1/P times ``x`` for even shards); the result never aliases
+    ``x``. Shape, dtype and requires_grad come from ``src`` first as one fixed-length
+    int64 broadcast (counted by ``comm_stats`` as ``"scatter meta"``; the data as
+    ``"scatter"``).
 
     Args:
         x: on ``src``, the full tensor; elsewhere a Placeholder, None, or anything
@@ -158,12 +163,11 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
 
 @custom_vjp
 def _scatter(x, rc, group, lay, si):
-    me = group.index
-    if me == si:
-        chunks = [lay.shard(x, r) for r in group.ranks]
-    else:
-        chunks = [x.new_empty(0)] * group.size
-    return comm_of(rc.mesh).all_to_all(chunks, group, name="scatter")[si]
+    # Views, not copies: the comm reads each shard in place (Comm.scatter).
+    chunks = [lay.shard(x, r) for r in group.ranks] if group.index == si else None
+    return comm_of(rc.mesh).scatter(chunks, si, group, name="scatter",
+                                    shape=lay.local_shape(rc.rank), dtype=x.dtype,
+                                    device=x.device)
 
 
 def _scatter_fwd(x, rc, group, lay, si):

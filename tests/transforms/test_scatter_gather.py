@@ -8,6 +8,7 @@ cotangents from replicas may be reordered).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -366,3 +367,139 @@ def test_scatter_then_gather_on_threads_and_gloo(mesh):
     backward((z ** 2).sum() if mesh.rank == 1 else z)  # rank 0 takes part without a loss
     if mesh.rank == 0:
         exact(x.grad, 2 * xg * scale ** 2)
+
+
+# -- scatter's source memory (reliability item 7) -------------------------------------------
+
+def _peak_reset() -> int | None:
+    """Return freed heap memory to the system and reset VmHWM; VmRSS now (None where
+    Linux's /proc/self/clear_refs is not there or not writable)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status("VmRSS")
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _scatter_peaks(mesh, nbytes):
+    """Per split dim: this rank's peak resident memory during one scatter from rank 0,
+    counted from before the tensor was made, as a multiple of the tensor; and whether
+    its shard was exact."""
+    if _peak_reset() is None:  # the same on every rank (one machine): none goes on
+        return None
+    cols = 2048
+    rows = nbytes // (8 * cols)
+    out = []
+    for spec in (P("sp"), P(None, "sp")):
+        scatter(torch.ones(4, 4) if mesh.rank == 0 else None, mesh, spec)  # warm up
+        base = _peak_reset()
+        x = torch.arange(rows * cols, dtype=F64).view(rows, cols) if mesh.rank == 0 else None
+        y = scatter(x, mesh, spec)
+        peak = (_proc_status("VmHWM") - base) / (rows * cols * 8)
+        del x
+        want = spmd.Layout((rows, cols), spec, mesh).shard(
+            torch.arange(rows * cols, dtype=F64).view(rows, cols), mesh.rank)
+        out.append((peak, torch.equal(y, want)))
+    return out
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("world", [2, 4])
+def test_scatter_source_peak_memory_on_gloo(request, world):
+    """The source holds the tensor plus the shard it keeps (1 + 1/P times the tensor),
+    whether the shards are contiguous (dim 0) or strided (dim 1); receivers hold their
+    shard. An all_to_all copied every shard and then all of them into one buffer: 2.5x
+    (dim 0) to 3.5x (dim 1) at world 2."""
+    pool = request.getfixturevalue(f"gloo{world}")
+    got = pool.run(_scatter_peaks, (world,), ("sp",), args=(32 << 20,), timeout=60)
+    if got[0] is None:
+        pytest.skip("needs Linux's /proc/self/clear_refs to measure peak memory")
+    slack = 0.05  # the process's own allocations while it waits: well under 1 MiB
+    for dim in (0, 1):
+        peaks = [g[dim][0] for g in got]
+        assert all(g[dim][1] for g in got), f"dim {dim}: a shard differs"
+        assert peaks[0] <= 1 + 1 / world + slack, (dim, peaks)
+        assert max(peaks[1:]) <= 1 / world + slack, (dim, peaks)
+
+
+# -- scatter in pieces, and ranks whose plans disagree --------------------------------------
+
+_PIECE_CASES = [  # (global shape, spec, sizes, transposed x: every shard strided)
+    ((7, 5), P("a"), None, False), ((7, 5), P(None, "b"), None, True),
+    ((9, 6, 4), P(None, ("a", "b")), None, False), ((3, 10, 6), P("b", None, "a"), None, False),
+    ((6, 5), P("a"), {0: [6, 0]}, False), ((13,), P(("b", "a")), {0: [1, 2, 10, 0]}, False),
+    ((0, 5), P("a"), None, False), ((), P(), None, False)]
+_PIECE_DTYPES = [torch.float64, torch.bool, torch.complex128, torch.int8, torch.bfloat16]
+
+
+def _piece_input(shape, trans, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape[::-1] if trans else shape, dtype=F64, generator=g) * 50
+    x = x > 0 if dtype == torch.bool else torch.complex(x, -x) if dtype.is_complex else x
+    x = x.to(dtype)
+    return x.permute(*reversed(range(x.ndim))) if trans else x
+
+
+def _scatter_in_pieces(mesh):
+    """Pieces of 48 bytes: every shard travels in many pieces, strided ones through the
+    staging buffers (carved from the source's result, or of their own where it is small)."""
+    from spmd.comm import distributed
+    saved = distributed._PIECE
+    distributed._PIECE = 48
+    try:
+        bad = []
+        for c, (shape, spec, sizes, trans) in enumerate(_PIECE_CASES):
+            for j, dt in enumerate(_PIECE_DTYPES):
+                src = (c + j) % 4
+                x = _piece_input(shape, trans, dt, 10 * c + j)
+                y = scatter(x if mesh.rank == src else None, mesh, spec, src=src, sizes=sizes)
+                want = spmd.Layout(shape, spec, mesh, sizes).shard(x, mesh.rank)
+                if not (y.is_contiguous() and y.dtype == dt and torch.equal(y, want)):
+                    bad.append((c, str(dt)))
+        return bad
+    finally:
+        distributed._PIECE = saved
+
+
+@pytest.mark.gloo
+def test_scatter_in_pieces_on_gloo(gloo4):
+    assert gloo4.run(_scatter_in_pieces, (2, 2), ("a", "b"), timeout=60) == [[]] * 4
+
+
+def _scatter_plans_disagree(mesh, validate):
+    """Rank 1 asks for other sizes than the source uses: it must get an error, not
+    src's idea of its shard, garbage, or gloo aborting the process."""
+    if validate is not None:  # whatever SPMD_VALIDATE says
+        comm = spmd.comm.comm_of(mesh)
+        comm.validate, comm.checks = validate, True
+    x = torch.arange(8.0).reshape(4, 2) if mesh.rank == 0 else None
+    try:
+        return scatter(x, mesh, P("sp"), sizes={0: [1, 3] if mesh.rank == 0 else [3, 1]})
+    except spmd.CommError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("backend, validate", [
+    ("threads", None), pytest.param("gloo", True, marks=pytest.mark.gloo),
+    pytest.param("gloo", False, marks=pytest.mark.gloo)])
+def test_scatter_plans_disagree(request, backend, validate):
+    if backend == "gloo":
+        got = request.getfixturevalue("gloo2").run(_scatter_plans_disagree, (2,), ("sp",),
+                                                   args=(validate,), timeout=20)
+    else:
+        got = launch(lambda m: _scatter_plans_disagree(m, None), (2,), ("sp",))
+    msg = r"scatter over axis 'sp': rank 1 expected f32\[1, 2\] from rank 0 but it sends f32\[3, 2\]"
+    if validate is False:  # only the receiver knows; the source's scatter went through
+        exact(got[0], torch.tensor([[0.0, 1.0]]))
+        got = got[1:]
+    for g in got:
+        assert isinstance(g, str), g
+        assert re.match(msg, g), g
