@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.errors import CommError, SpecError
 from ..core.mesh import Group
 
 __all__ = ["Comm", "Work", "REDUCE_OPS"]
@@ -91,3 +92,15 @@ class Comm(Protocol):
         every process must create in the same order. A no-op where there is nothing to
         set up.
         """
+
+
+def check_scatter(chunks: list[torch.Tensor] | None, src: int, group: Group,
+                  name: str) -> None:
+    """``Comm.scatter``'s arguments, checked alike by both backends before anything moves."""
+    n = group.size
+    if not 0 <= src < n:
+        where = f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+        raise SpecError(f"{name}: src {src} is not a member index of {where} (0..{n - 1})")
+    if group.index == src and (chunks is None or len(chunks) != n):
+        raise CommError(f"{name}: rank {group.rank} (the source) passed "
+                        f"{'no' if chunks is None else len(chunks)} chunks for a group of {n}")

@@ -50,7 +50,7 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from . import _header
 from ._header import wire_op
-from .base import REDUCE_OPS
+from .base import REDUCE_OPS, check_scatter
 from .stats import count
 
 __all__ = ["TorchComm"]
@@ -494,13 +494,7 @@ class TorchComm:
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index
-        if not 0 <= src < n:
-            raise SpecError(f"{name}: src {src} is not a member index of {_axes(group)} "
-                            f"(0..{n - 1})")
-        if me == src and (chunks is None or len(chunks) != n):
-            raise CommError(f"{name}: rank {group.rank} (the source) passed "
-                            f"{'no' if chunks is None else len(chunks)} chunks for a group "
-                            f"of {n}")
+        check_scatter(chunks, src, group, name)
         count("all_to_all", name, group, chunks=chunks if me == src else [])
         if n == 1:
             return _copy(chunks[0])
