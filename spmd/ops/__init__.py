@@ -20,6 +20,7 @@ from .conv import (
     conv_transpose2d,
     conv_transpose3d,
 )
+from .exp_normalization import log_softmax, logsumexp, softmax
 from .interpolation import interpolate
 from .normalization import (
     batch_norm,
@@ -44,4 +45,5 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
            "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
-           "moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm"]
+           "moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm",
+           "softmax", "log_softmax", "logsumexp"]
