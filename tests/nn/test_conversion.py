@@ -49,15 +49,27 @@ def _conv(i, o, **kw):
 # Each case: (model, outcome): "exact", or a piece of the refusal message.
 CASES = {
     # the silently wrong cases
-    "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm computes batch statistics over dim 2"),
-    "top-level GroupNorm": (nn.GroupNorm(1, 3), "F.group_norm computes group statistics over dim 2"),
-    "top-level InstanceNorm2d": (nn.InstanceNorm2d(3), "per-instance statistics over dim 2"),
+    # a threads mesh shares the module between rank threads: each would update the stats
+    "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm updates batch norm's running "
+                              "statistics in training, which the rank threads"),
+    "BatchNorm2d untracked": (nn.BatchNorm2d(3, track_running_stats=False), "exact"),
+    "BatchNorm2d eval": (nn.BatchNorm2d(3).eval(), "exact"),
+    "top-level GroupNorm": (nn.GroupNorm(1, 3), "exact"),
+    "InstanceNorm2d": (nn.InstanceNorm2d(3, affine=True), "exact"),
+    "GroupNorm over split channels": (Fn(lambda m, x: F.group_norm(x.transpose(1, 2), 3)),
+                                      "normalises per channel, and dim 1"),
+    "InstanceNorm2d tracked": (nn.InstanceNorm2d(3, track_running_stats=True),
+                               "updates instance norm's running statistics in training"),
     "LPPool2d": (nn.LPPool2d(2, 3, 2), "exact"),
-    "Softmax(dim=2)": (nn.Softmax(dim=2), "F.softmax normalises along dim 2, which is split"),
+    "Softmax(dim=2)": (nn.Softmax(dim=2), "exact"),
+    "Softmin(dim=2)": (nn.Softmin(dim=2), "exact"),
+    "LogSoftmax(dim=2)": (nn.LogSoftmax(dim=2), "exact"),
     "F.interpolate": (Fn(lambda m, x: F.interpolate(x, scale_factor=2, mode="bilinear")), "exact"),
     "F.max_pool2d": (Fn(lambda m, x: F.max_pool2d(x, 3, 2, 1)), "exact"),
     "x.mean(dim=(2, 3))": (Fn(lambda m, x: x.mean(dim=(2, 3))), "exact"),
-    "softmax over H": (Fn(lambda m, x: torch.softmax(x, dim=2)), "normalises along dim 2"),
+    "softmax over H": (Fn(lambda m, x: torch.softmax(x, dim=2)), "exact"),
+    "torch._softmax over H": (Fn(lambda m, x: torch._softmax(x, 2, False)),
+                              "normalises along dim 2, which is split"),
     "torch.roll": (Fn(lambda m, x: torch.roll(x, 1, dims=2)), "torch.roll shifts values along dim 2"),
     "finite difference": (Fn(lambda m, x: x[:, :, 1:] - x[:, :, :-1]),
                           "indexing x[...] slices dim 2, which is split over 'sp'; a stencil"),
@@ -95,7 +107,8 @@ CASES = {
                       "exact"),
     "eval BatchNorm": (nn.BatchNorm2d(3).eval(), "exact"),
     "LayerNorm over W": (nn.LayerNorm(8), "exact"),
-    "LayerNorm over H, W": (nn.LayerNorm([15, 8]), "F.layer_norm computes statistics"),
+    "LayerNorm over H, W": (nn.LayerNorm([15, 8]).double(), "exact"),
+    "RMSNorm over H, W": (nn.RMSNorm([15, 8], eps=1e-6).double(), "exact"),
     "einsum over C": (Fn(lambda m, x: torch.einsum("nchw,dc->ndhw", x, m.layers[0].weight),
                          _lin(3, 2)), "exact"),
     "einsum over H": (Fn(lambda m, x: torch.einsum("nchw,nchw->nc", x, x)), "sums over dim 2"),
@@ -212,9 +225,9 @@ def test_report_prints_the_plan():
                                report=True)
     text = out.getvalue()
     assert "swapped  in '0': torch.conv2d -> spmd.ops.conv2d" in text
-    assert "refused  in '2': F.group_norm computes group statistics over dim 2" in text
+    assert "swapped  in '2': F.group_norm -> spmd.ops.group_norm" in text
     assert "passed   1 calls on split tensors" in text and "F.relu" in text
-    assert conv.spmd_plan.refused and str(conv.spmd_plan) == text.strip()
+    assert not conv.spmd_plan.refused and str(conv.spmd_plan) == text.strip()
     with pytest.raises(TypeError, match="report=True needs example="):
         spmd.nn.convert(model, spmd.Mesh((2,), ("sp",)), H, report=True)
 
@@ -356,8 +369,10 @@ def _menu(split_dim: int):
         "max pool": lambda c: (nn.MaxPool2d(2, ceil_mode=True), False),
         "avg pool": lambda c: (Fn(lambda m, x: F.avg_pool2d(x, 3, 1, 1)), False),
         "upsample": lambda c: (nn.Upsample(scale_factor=2, mode="bilinear"), False),
-        "group norm": lambda c: (nn.GroupNorm(1, c).double(), True),
-        "batch norm": lambda c: (nn.BatchNorm2d(c).double(), True),
+        "group norm": lambda c: (nn.GroupNorm(1, c).double(), False),
+        "batch norm": lambda c: (nn.BatchNorm2d(c).double(), True),  # threads: shared stats
+        "batch norm untracked": lambda c: (nn.BatchNorm2d(c, track_running_stats=False)
+                                           .double(), False),
         "gelu": lambda c: (nn.GELU(), False),
         "residual": lambda c: (Fn(lambda m, x: x + m.layers[0](x), _conv(c, c)), False),
         "cat channels": lambda c: (Fn(lambda m, x: m.layers[0](torch.cat([x, x.tanh()], 1)),
@@ -368,7 +383,7 @@ def _menu(split_dim: int):
         "roll whole": lambda c: (Fn(lambda m, x: torch.roll(x, 1, other)), False),
         "diff split": lambda c: (Fn(lambda m, x: torch.diff(x, dim=split_dim)), True),
         "softmax C": lambda c: (nn.Softmax(dim=1), False),
-        "softmax split": lambda c: (nn.Softmax(dim=split_dim), True),
+        "softmax split": lambda c: (nn.LogSoftmax(dim=split_dim), False),
         "transposed conv": lambda c: (nn.ConvTranspose2d(c, c, 2, stride=2).double(), False),
         "reflect pad": lambda c: (Fn(lambda m, x: F.pad(x, (1, 2, 2, 1), mode="reflect")), False),
         "linear on channels": lambda c: (Fn(lambda m, x: m.layers[0](x.permute(0, 2, 3, 1))

@@ -1,15 +1,30 @@
 """Calls that mix positions along some dims: reductions (``spmd.reduce`` over split dims),
-softmax, scans, norms, matmuls, attention, FFTs, rolls: refused where those dims are split."""
+softmax and norms (their ``spmd.ops`` twins); scans, matmuls, attention, FFTs, rolls:
+refused where those dims are split."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ... import ops
 from ...transforms.reduction import reduce as _reduce
 from .._tags import axes_str, spec_of, split_dims
-from ._base import Call, _arg, _dim, _dims, _split, _where, broadcast, broadcast_shapes, like_input
+from ._base import (
+    Call,
+    _arg,
+    _dim,
+    _dims,
+    _no_local_sizes,
+    _split,
+    _where,
+    broadcast,
+    broadcast_shapes,
+    like_input,
+)
 from .per_position import pointwise
+from .windows import _swap
 
 _REDUCE_OP = {"sum": "sum", "mean": "mean", "amax": "max", "amin": "min"}
 
@@ -51,20 +66,29 @@ def reduction(c: Call) -> Any:
     return c.out(c.call(twin, (x,), {}), kept)
 
 
-_SOFTMAX_FIX = ("there is no domain-parallel softmax yet; keep that dim whole "
-                "(redistribute first)")
-
-
 def softmax(c: Call) -> Any:
+    """softmax, log_softmax, softmin: over a split dim, spmd.ops' twin (softmin as the
+    softmax of -x, as torch defines it)."""
     x = c.args[0]
     d = _arg(c, "dim", 1, None)
     if d is None:
         d = 0 if x.ndim in (0, 1, 3) else 1  # torch's legacy implicit dim
     k = _dim(d, x.ndim)
     e = c.ent(x)
-    if e[k]:
-        c.refuse(f"normalises along {_where(k, e[k])}", _SOFTMAX_FIX)
-    return c.out(c.call(), e)
+    if not e[k]:
+        return c.out(c.call(), e)
+    if c.name == "_softmax":
+        c.refuse(f"normalises along {_where(k, e[k])} (torch._softmax)",
+                 "call torch.softmax, which has a domain-parallel twin")
+    op = ops.log_softmax if c.name == "log_softmax" else ops.softmax
+    sign = -1 if c.name == "softmin" else 1
+    dtype = c.kwargs.get("dtype")
+
+    def make(spec):
+        def run(*_, **__):
+            return op(x if sign == 1 else -x, k, mesh=c.mesh, spec=spec, dtype=dtype)
+        return run
+    return _swap(c, f"along split dim {k} -> spmd.ops.{op.__name__}", make)
 
 
 def scan(c: Call) -> Any:
@@ -108,8 +132,26 @@ def pairwise(c: Call) -> Any:
     return c.out(c.call(), out)
 
 
-_NORM_FIX = ("there is no domain-parallel normalisation yet: keep those dims whole, or "
-             "allow=(...) if the statistics need not be global")
+def _ops_twin(c: Call, op: Callable) -> Any:
+    """The call as ``spmd.ops``' twin, which takes the intercepted function's arguments."""
+    def make(spec):
+        return lambda *args, **kwargs: op(*args, mesh=c.mesh, spec=spec, **kwargs)
+    return _swap(c, f"-> spmd.ops.{op.__name__}", make)
+
+
+def _no_channel_split(c: Call, x: torch.Tensor, e) -> None:
+    if x.ndim > 1 and e[1]:
+        c.refuse(f"normalises per channel, and {_where(1, e[1])}", "keep the channels whole")
+
+
+def _no_shared_buffers(c: Call, running: Any, what: str) -> None:
+    """A threads mesh runs every rank's forward on the one module: its running
+    statistics (and num_batches_tracked) would be updated once per rank."""
+    if running is not None and c.mesh.backend == "threads":
+        c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
+                 f"of a threads mesh share (each would update them)",
+                 "train on processes (spmd.launch(..., backend='gloo') or torchrun), or "
+                 "track_running_stats=False")
 
 
 def batch_norm(c: Call) -> Any:
@@ -117,12 +159,11 @@ def batch_norm(c: Call) -> Any:
     running = _arg(c, "running_mean", 1, None)
     training = bool(_arg(c, "training", 5, False))
     e = c.ent(x)
-    if training or running is None:
-        for d in range(x.ndim):
-            if d != 1 and e[d]:
-                c.refuse(f"computes batch statistics over {_where(d, e[d])}", _NORM_FIX)
-    elif e[1] if x.ndim > 1 else False:
-        c.refuse(f"normalises per channel, and {_where(1, e[1])}")
+    _no_channel_split(c, x, e)
+    if (training or running is None) and any(e[d] for d in range(x.ndim) if d != 1):
+        if training:
+            _no_shared_buffers(c, running, "batch norm")
+        return _ops_twin(c, ops.batch_norm)
     return c.out(c.call(), e)
 
 
@@ -130,33 +171,32 @@ def instance_norm(c: Call) -> Any:
     x = c.args[0]
     use_input = bool(_arg(c, "use_input_stats", 5, True))
     e = c.ent(x)
-    if use_input:
-        for d in range(2, x.ndim):
-            if e[d]:
-                c.refuse(f"computes per-instance statistics over {_where(d, e[d])}", _NORM_FIX)
-    if x.ndim > 1 and e[1]:
-        c.refuse(f"normalises per channel, and {_where(1, e[1])}")
+    _no_channel_split(c, x, e)
+    if use_input and any(e[d] for d in range(2, x.ndim)):
+        _no_shared_buffers(c, _arg(c, "running_mean", 1, None), "instance norm")
+        return _ops_twin(c, ops.instance_norm)
     return c.out(c.call(), e)
 
 
 def group_norm(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)
-    for d in range(1, x.ndim):
-        if e[d]:
-            c.refuse(f"computes group statistics over {_where(d, e[d])}", _NORM_FIX)
+    _no_channel_split(c, x, e)
+    if any(e[d] for d in range(2, x.ndim)):
+        return _ops_twin(c, ops.group_norm)
     return c.out(c.call(), e)
 
 
 def layer_norm(c: Call) -> Any:
+    """layer_norm, rms_norm: over split normalised dims, the twin; over whole ones,
+    torch's (no bytes)."""
     x = c.args[0]
     shape = _arg(c, "normalized_shape", 1, ())
     n = 1 if isinstance(shape, int) else len(shape)
     e = c.ent(x)
-    for d in range(x.ndim - n, x.ndim):
-        if e[d]:
-            c.refuse(f"computes statistics over the normalised dims, and {_where(d, e[d])}",
-                     _NORM_FIX)
+    if any(e[d] for d in range(x.ndim - n, x.ndim)):
+        _no_local_sizes(c)  # normalized_shape is global: a size read from a shard is not
+        return _ops_twin(c, ops.rms_norm if c.name == "rms_norm" else ops.layer_norm)
     return c.out(c.call(), e)
 
 
