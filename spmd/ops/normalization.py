@@ -198,6 +198,32 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     return y.to(x.dtype)
 
 
+def _trailing(x: torch.Tensor, normalized_shape: Sequence[int], mesh: Mesh, spec: Any,
+              rc: RankContext, what: str, affine: tuple) -> tuple[tuple[int, ...],
+                                                                 tuple[str, ...], list]:
+    """layer_norm's and rms_norm's last dims, the axes that split them, and each global
+    affine tensor cut to this rank's slice of those dims (a shape exchange when they are
+    split and ``spec`` is a P: the slice's offset depends on the other ranks' sizes)."""
+    shape = tuple(int(s) for s in normalized_shape)
+    k = len(shape)
+    if not 0 < k <= x.ndim:
+        raise SpecError(f"{what}: normalized_shape {list(shape)} does not fit {describe(x)}")
+    dims = tuple(range(x.ndim - k, x.ndim))
+    pspec, axes = _spec_axes(x, mesh, spec, dims, what, None)
+    if not any(entry_axes(pspec.entry(d)) for d in dims):
+        if tuple(x.shape[-k:]) != shape:
+            raise RuntimeError(f"{what}: normalized_shape {list(shape)} but x is {describe(x)}")
+        return dims, axes, list(affine)
+    if all(t is None for t in affine):
+        return dims, axes, list(affine)
+    _, layout = input_layout(x, mesh, spec, what)
+    if layout.shape[-k:] != shape:
+        raise SpecError(f"{what}: normalized_shape {list(shape)} but the global tensor is "
+                        f"{list(layout.shape)}")
+    sl = layout.slices(rc.rank)[-k:]
+    return dims, axes, [None if t is None else t[sl] for t in affine]
+
+
 def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5, *, mesh: Mesh, spec: Any) -> torch.Tensor:
@@ -220,25 +246,9 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     """
     what = "layer_norm"
     rc = on_mesh(mesh, what, x)
-    shape = tuple(int(s) for s in normalized_shape)
-    k = len(shape)
-    if not 0 < k <= x.ndim:
-        raise SpecError(f"{what}: normalized_shape {list(shape)} does not fit {describe(x)}")
-    dims = tuple(range(x.ndim - k, x.ndim))
-    layout = spec
-    pspec, axes = _spec_axes(x, mesh, spec, dims,
-                             what, None)
-    split = [d for d in dims if entry_axes(pspec.entry(d))]
-    if (weight is not None or bias is not None) and split:
-        _, layout = input_layout(x, mesh, layout, what)
-        if layout.shape[-k:] != shape:
-            raise SpecError(f"{what}: normalized_shape {list(shape)} but the global tensor "
-                            f"is {list(layout.shape)}")
-        sl = layout.slices(rc.rank)[-k:]
-        weight = None if weight is None else weight[sl]
-        bias = None if bias is None else bias[sl]
-    elif not split and tuple(x.shape[-k:]) != shape:
-        raise RuntimeError(f"{what}: normalized_shape {list(shape)} but x is {describe(x)}")
+    dims, axes, (weight, bias) = _trailing(x, normalized_shape, mesh, spec, rc, what,
+                                           (weight, bias))
+    k = len(dims)
     y, _, _ = _normalize(x, dims, eps, axes, rc)
     lead = (1,) * (x.ndim - k)
     y = _affine(y, weight, bias, lead + tuple(x.shape[-k:]))
@@ -263,18 +273,9 @@ def rms_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     """
     what = "rms_norm"
     rc = on_mesh(mesh, what, x)
-    shape = tuple(int(s) for s in normalized_shape)
-    k = len(shape)
-    if not 0 < k <= x.ndim:
-        raise SpecError(f"{what}: normalized_shape {list(shape)} does not fit {describe(x)}")
-    dims = tuple(range(x.ndim - k, x.ndim))
     acc = _acc(x, what)
-    pspec, axes = _spec_axes(x, mesh, spec, dims,
-                             what, None)
-    split = [d for d in dims if entry_axes(pspec.entry(d))]
-    if weight is not None and split:
-        _, layout = input_layout(x, mesh, spec, what)
-        weight = weight[layout.slices(rc.rank)[-k:]]
+    dims, axes, (weight,) = _trailing(x, normalized_shape, mesh, spec, rc, what, (weight,))
+    k = len(dims)
     xf = x.to(acc)
     n = math.prod(x.shape[d] for d in dims)
     ms = (xf * xf).sum(dims, keepdim=True) / max(n, 1)

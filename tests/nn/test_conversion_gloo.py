@@ -43,6 +43,20 @@ def _train(mesh, model, x, t, steps, buffers=False):
         (losses, params)
 
 
+def _one_device(model, x, t, steps):
+    """The reference: the same SGD steps on one device; the model and its losses."""
+    one = WithLoss(model)
+    opt = torch.optim.SGD(one.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = one(x, t)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return one, losses
+
+
 def _refused(mesh, x):
     conv = spmd.nn.convert(Fn(lambda m, x: torch.roll(x, 1, dims=2)), mesh, H)
     with spmd.comm_stats() as stats:
@@ -60,15 +74,7 @@ def test_a_functional_model_trains_like_one_device_world2(gloo2):
     x = torch.randn(2, 1, 10, 6, generator=g, dtype=torch.float64)
     t = torch.randn(2, 1, 10, 6, generator=g, dtype=torch.float64)
     got = gloo2.run(_train, (2,), ("sp",), args=(plain, x, t, 3))
-    one = WithLoss(plain)
-    opt = torch.optim.SGD(one.parameters(), lr=0.05)
-    want = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = one(x, t)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    one, want = _one_device(plain, x, t, 3)
     for losses, params in got:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-10, atol=1e-10)
         for p, q in zip(params, one.parameters()):
@@ -100,15 +106,7 @@ def test_norms_and_softmax_over_split_dims_train_like_one_device_world2(gloo2):
     t = torch.randn(2, 1, 10, 6, generator=g, dtype=torch.float64)
     plain = _norm_net()
     got = gloo2.run(_train, (2,), ("sp",), args=(plain, x, t, 3, True))
-    one = WithLoss(plain)
-    opt = torch.optim.SGD(one.parameters(), lr=0.05)
-    want = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = one(x, t)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    one, want = _one_device(plain, x, t, 3)
     for losses, params, buffers in got:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-10, atol=1e-10)
         for p, q in zip(params, one.parameters()):
