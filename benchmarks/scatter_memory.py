@@ -23,7 +23,6 @@ say n/a.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import platform
 import sys
@@ -36,29 +35,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import spmd  # noqa: E402
-
-
-def _status(field: str) -> int | None:
-    """``field`` of /proc/self/status in bytes (None where there is no such file)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> int | None:
-    """Return freed heap memory to the system, reset VmHWM to VmRSS; the RSS now."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _status("VmRSS")
+from spmd.testing.memory import peak, reset_peak  # noqa: E402
 
 
 def _body(mesh, nbytes: int, reps: int) -> list[tuple]:
@@ -76,12 +53,12 @@ def _body(mesh, nbytes: int, reps: int) -> list[tuple]:
         # Warm up the process group and the first messages with a small scatter.
         spmd.scatter(torch.ones(8, 8) if me == src else None, mesh, spec, src=src)
         dist.barrier()
-        base = _reset_peak()
+        base = reset_peak()
         x = torch.randn(rows, cols) if me == src else None
         dist.barrier()
         y = spmd.scatter(x, mesh, spec, src=src)
-        hwm = _status("VmHWM")
-        peak = None if base is None or hwm is None else hwm - base
+        hwm = peak()
+        top = None if base is None or hwm is None else hwm - base
         del y
         times = []
         for _ in range(reps):
@@ -90,7 +67,7 @@ def _body(mesh, nbytes: int, reps: int) -> list[tuple]:
             y = spmd.scatter(x, mesh, spec, src=src)
             times.append(time.perf_counter() - t0)
             del y
-        out.append((dim, rows * cols * 4, peak, times))
+        out.append((dim, rows * cols * 4, top, times))
         del x
     return out
 

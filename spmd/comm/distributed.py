@@ -531,12 +531,9 @@ class TorchComm:
                 for _, k in _pieces(sshape, sdt.itemsize):
                     self._p2p(dist.irecv, junk[:k * sdt.itemsize], peer, name, group, rec,
                               seq, [peer], deadline)
-                raise CommError(
-                    f"{name} over {_axes(group)}: rank {group.rank} expected "
-                    f"{_describe_row(want)} from rank {peer} but it sends "
-                    f"{_describe_row(sent)}; the ranks' plans disagree (an argument that "
-                    f"differs from rank to rank, e.g. sizes or spec). Raised on this rank "
-                    f"only; SPMD_VALIDATE=1 raises it on every rank", op=name, axes=group.axes)
+                raise _plans_disagree(name, group, group.rank, want, peer, sent,
+                                      "sizes or spec", ". Raised on this rank only; "
+                                      "SPMD_VALIDATE=1 raises it on every rank")
         out = torch.empty(shape, dtype=dtype, device=device)
         works = []
         for idx, _ in _pieces(shape, out.element_size()):
@@ -624,12 +621,8 @@ class TorchComm:
         per = self._validate(rec, group, seq, "scatter", src, [], name, rows=rows)
         for i in range(n):
             if i != src and per[i][i] != per[src][i]:
-                raise CommError(
-                    f"{name} over {_axes(group)}: rank {group.ranks[i]} expected "
-                    f"{_describe_row(per[i][i])} from rank {group.ranks[src]} but it sends "
-                    f"{_describe_row(per[src][i])}; the ranks' plans disagree (an argument "
-                    f"that differs from rank to rank, e.g. sizes or spec)",
-                    op=name, axes=group.axes)
+                raise _plans_disagree(name, group, group.ranks[i], per[i][i],
+                                      group.ranks[src], per[src][i], "sizes or spec")
 
     def permute(self, x, group, pairs, *, name):
         count("permute", name, group, x=x, pairs=pairs)
@@ -729,13 +722,8 @@ class TorchComm:
         for p, v in enumerate(allv):
             if v[0]:
                 me = group.ranks[rec.idx_of[p]]
-                exp, got = v[2:2 + _ROW], v[2 + _ROW:]
-                raise CommError(
-                    f"{name} over {_axes(group)}: rank {me} expected "
-                    f"{shape_str(exp[3:3 + exp[1]], _dtype(exp[0], name))} from rank {v[1]} "
-                    f"but it sent {shape_str(got[3:3 + got[1]], _dtype(got[0], name))}; the "
-                    f"ranks' plans disagree (an argument that differs from rank to rank, "
-                    f"e.g. a halo width)", op=name, axes=group.axes)
+                raise _plans_disagree(name, group, me, v[2:2 + _ROW], v[1], v[2 + _ROW:],
+                                      "a halo width", verb="sent")
 
     def _validate(self, rec, group, seq, op, extra, tensors, name, *, count=None,
                   skip_dim=None, rows=None) -> list[list[list[int]]]:
@@ -993,6 +981,16 @@ def _gathered_meta(op: str, dtype: torch.dtype, shape: tuple[int, ...], name: st
     """The metadata bytes of a gathered reduction's row: op code and ``_row_of``."""
     meta = torch.tensor([_ROP_CODE[op], *_row_of(shape, dtype, name)], dtype=torch.int64)
     return _bytes(meta)
+
+
+def _plans_disagree(name: str, group: Group, rank: int, want: list[int], src: int,
+                    sent: list[int], example: str, tail: str = "",
+                    verb: str = "sends") -> CommError:
+    """Rank ``rank`` expected metadata row ``want`` from rank ``src``, which sends ``sent``."""
+    return CommError(f"{name} over {_axes(group)}: rank {rank} expected {_describe_row(want)} "
+                     f"from rank {src} but it {verb} {_describe_row(sent)}; the ranks' plans "
+                     f"disagree (an argument that differs from rank to rank, e.g. {example})"
+                     f"{tail}", op=name, axes=group.axes)
 
 
 def _mismatch(name: str, group: Group, head) -> str:

@@ -30,6 +30,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import as_spec, entry_axes
+from ..transforms.reduction import _dims
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
@@ -177,7 +178,8 @@ def _prepare(x: Any, dim: Any, mesh: Mesh, spec: Any, dtype: torch.dtype | None,
                         f"has {x.ndim} dims")
     for a in spec.axes:
         mesh.check_axes(a, f"{what}: spec")
-    dims = _dims(dim, x.ndim, describe(x), what, many)
+    # A 0-d x is never split: its one "dim" makes torch run locally.
+    dims = _dims(dim, x.ndim, describe(x), what, many=many, every=False) or (0,)
     if dtype is not None:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"{what}: dtype must be a floating torch.dtype, got {dtype!r}")
@@ -187,26 +189,6 @@ def _prepare(x: Any, dim: Any, mesh: Mesh, spec: Any, dtype: torch.dtype | None,
                         f"dtype=torch.float32 (or convert x) first")
     used = {a for d in dims for a in entry_axes(spec.entry(d))}
     return x, dims, tuple(a for a in mesh.axis_names if a in used), rc
-
-
-def _dims(dim: Any, ndim: int, xs: str, what: str, many: bool) -> tuple[int, ...]:
-    one = isinstance(dim, int) and not isinstance(dim, bool)
-    if not one and not (many and isinstance(dim, (tuple, list)) and dim and all(
-            isinstance(d, int) and not isinstance(d, bool) for d in dim)):
-        kind = "an int or a non-empty tuple of ints" if many else "an int"
-        raise SpecError(f"{what}: dim must be {kind}, got {dim!r}")
-    ds = (dim,) if one else tuple(dim)
-    span = max(ndim, 1)  # torch accepts dim 0 / -1 for a 0-d tensor
-    for d in ds:
-        if not -span <= d < span:
-            raise SpecError(f"{what}: dim={dim!r} is out of range for x ({xs}), which has "
-                            f"{ndim} dims (use -{span} <= dim < {span})")
-    if ndim == 0:
-        return (0,)  # a 0-d tensor is never split: torch runs locally
-    norm = tuple(d % ndim for d in ds)
-    if len(set(norm)) != len(norm):
-        raise SpecError(f"{what}: dim={dim!r} repeats a dim (dims {list(norm)} of x, {xs})")
-    return tuple(sorted(norm))
 
 
 # -- the merge: one all-gather of (local max, local sum of exp) -------------------------------

@@ -131,7 +131,7 @@ def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Me
     """
     rc = on_mesh(mesh, "moments", x)
     acc = _acc(x, "moments")
-    dims = _dims(dim, x.ndim, describe(x))
+    dims = _dims(dim, x.ndim, describe(x), "moments")
     _, ax = _spec_axes(x, mesh, spec, dims, "moments", axes)
     total, mean, m2 = _moments(x, dims, ax, rc, acc)
     var = m2 / (total - correction).clamp_min(0).to(m2.dtype)

@@ -151,26 +151,32 @@ def _local(x: torch.Tensor, op: str, dims: tuple[int, ...], keepdim: bool) -> to
     return fn(x, dim=dims, keepdim=keepdim)
 
 
-def _dims(dim, ndim: int, xs: str) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(range(ndim))
+def _dims(dim, ndim: int, xs: str, what: str = "reduce", *, many: bool = True,
+          every: bool = True) -> tuple[int, ...]:
+    """``dim`` as sorted non-negative dims of an ``ndim``-d x (described by ``xs``), as
+    torch reads it, or the SpecError ``what`` raises. ``many``: a tuple of dims is
+    allowed; ``every``: None and ``()`` mean all dims (a 0-d x has none: ``()``)."""
     one = isinstance(dim, int) and not isinstance(dim, bool)
-    if not one and not (isinstance(dim, (tuple, list)) and all(
+    if dim is None and every:
+        return tuple(range(ndim))
+    if not one and not (many and isinstance(dim, (tuple, list)) and (dim or every) and all(
             isinstance(d, int) and not isinstance(d, bool) for d in dim)):
-        raise SpecError(f"reduce: dim must be an int, a tuple of ints or None, got {dim!r}")
+        kind = ("an int, a tuple of ints or None" if every else
+                "an int or a non-empty tuple of ints") if many else "an int"
+        raise SpecError(f"{what}: dim must be {kind}, got {dim!r}")
     ds = (dim,) if one else tuple(dim)
     if not ds:
         return tuple(range(ndim))  # torch reads an empty dim list as "all dims"
     span = max(ndim, 1)  # torch accepts dim 0 / -1 for a 0-d tensor
     for d in ds:
         if not -span <= d < span:
-            raise SpecError(f"reduce: dim={dim!r} is out of range for x ({xs}), which has "
-                            f"{ndim} dims")
+            raise SpecError(f"{what}: dim={dim!r} is out of range for x ({xs}), which has "
+                            f"{ndim} dims (use -{span} <= dim < {span})")
     if ndim == 0:
         return ()
     norm = tuple(d % ndim for d in ds)
     if len(set(norm)) != len(norm):
-        raise SpecError(f"reduce: dim={dim!r} repeats a dim (dims {list(norm)} of x, {xs})")
+        raise SpecError(f"{what}: dim={dim!r} repeats a dim (dims {list(norm)} of x, {xs})")
     return tuple(sorted(norm))
 
 

@@ -19,6 +19,7 @@ import spmd
 from spmd import P
 from spmd.core.spec import entry_axes
 from spmd.testing import check_adjoint, on_mesh
+from spmd.testing.memory import peak, reset_peak
 from spmd.transforms.scatter_gather import backward, gather, scatter
 
 F64 = torch.float64
@@ -371,43 +372,25 @@ def test_scatter_then_gather_on_threads_and_gloo(mesh):
 
 # -- scatter's source memory (reliability item 7) -------------------------------------------
 
-def _peak_reset() -> int | None:
-    """Return freed heap memory to the system and reset VmHWM; VmRSS now (None where
-    Linux's /proc/self/clear_refs is not there or not writable)."""
-    import ctypes
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _proc_status("VmRSS")
-
-
-def _proc_status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def _scatter_peaks(mesh, nbytes):
     """Per split dim: this rank's peak resident memory during one scatter from rank 0,
     counted from before the tensor was made, as a multiple of the tensor; and whether
     its shard was exact."""
-    if _peak_reset() is None:  # the same on every rank (one machine): none goes on
+    if reset_peak() is None:  # the same on every rank (one machine): none goes on
         return None
     cols = 2048
     rows = nbytes // (8 * cols)
     out = []
     for spec in (P("sp"), P(None, "sp")):
         scatter(torch.ones(4, 4) if mesh.rank == 0 else None, mesh, spec)  # warm up
-        base = _peak_reset()
+        base = reset_peak()
         x = torch.arange(rows * cols, dtype=F64).view(rows, cols) if mesh.rank == 0 else None
         y = scatter(x, mesh, spec)
-        peak = (_proc_status("VmHWM") - base) / (rows * cols * 8)
+        top = (peak() - base) / (rows * cols * 8)
         del x
         want = spmd.Layout((rows, cols), spec, mesh).shard(
             torch.arange(rows * cols, dtype=F64).view(rows, cols), mesh.rank)
-        out.append((peak, torch.equal(y, want)))
+        out.append((top, torch.equal(y, want)))
     return out
 
 
