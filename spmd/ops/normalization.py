@@ -25,6 +25,7 @@ import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.primitives import _all_gather
+from ..comm import comm_of
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -328,6 +329,34 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     return y.view(x.shape)
 
 
+def _updates_buffers(running_mean: torch.Tensor, running_var: torch.Tensor | None,
+                     mesh: Mesh, rc: RankContext, axes: tuple[str, ...],
+                     split: tuple[str, ...], what: str) -> bool:
+    """Whether this rank updates the running statistics. On processes, and for rank
+    threads that each pass their own buffers: yes. Rank threads of a shard_map body share
+    the caller's buffers, so one rank updates them, once, and only where every rank's
+    statistics are the same (merged over every axis in ``split``, those that split the
+    input); shared buffers with per-replica statistics have no one right update: refused
+    on every rank."""
+    if mesh.backend != "threads":
+        return True
+    group = mesh.group(mesh.axis_names, rc.rank)
+    mine = (id(running_mean), id(running_var))
+    every = comm_of(mesh).exchange(group, what, mine, name=what)
+    if all(e == mine for e in every) and group.size > 1:
+        if set(split) - set(axes):
+            raise SpecError(
+                f"{what}: the rank threads share one running_mean/running_var, but their "
+                f"batch statistics are merged over {axes or 'no axes'} only, so they differ "
+                f"between ranks; give each replica its own buffers (per-rank code), or merge "
+                f"over every axis (axes=None)")
+        return group.index == 0
+    if len(set(every)) != len(every):
+        raise SpecError(f"{what}: some rank threads share running statistics buffers and "
+                        f"others do not; pass each rank its own, or all the same ones")
+    return True
+
+
 def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
                running_var: torch.Tensor | None, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, training: bool = False,
@@ -376,7 +405,9 @@ def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
         raise ValueError(f"{what}: expected more than 1 value per channel when training, got "
                          f"{int(total.max())} over the global batch and spatial dims")
     var = m2 / total.to(m2.dtype)
-    if running_mean is not None:
+    if running_mean is not None and _updates_buffers(
+            running_mean, running_var, mesh, rc, ax,
+            _spec_axes(x, mesh, spec, dims, what, None)[1], what):
         with torch.no_grad():
             unbiased = m2 / (total - 1).to(m2.dtype)
             running_mean.mul_(1 - momentum).add_(mean.reshape(c).to(running_mean.dtype),

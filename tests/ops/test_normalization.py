@@ -206,3 +206,24 @@ def test_refusals_before_any_communication():
         spmd.shard_map(lambda t: spmd.ops.batch_norm(t, None, None, training=True, mesh=MESH,
                                                      spec=P(None, None, "sp")),
                        MESH, P(None, None, "sp"), P(None, None, "sp"))(torch.randn(1, 2, 1))
+
+
+def test_batch_norm_shared_buffers_on_rank_threads_update_once():
+    """A shard_map body on a threads mesh: every rank thread passes the caller's one
+    running_mean/var. They are updated once per step (not once per rank), equal to
+    torch's after 5 steps; with per-replica statistics (axes='sp' while dp splits the
+    batch) no single update is right, and every rank refuses."""
+    bn = torch.nn.BatchNorm2d(3, momentum=0.3).double()
+    rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    s = P("dp", None, "sp")
+    for _ in range(5):
+        x = torch.randn(4, 3, 6, 5, dtype=torch.float64) * 2 + 1
+        spmd.shard_map(lambda t: spmd.ops.batch_norm(t, rm, rv, None, None, True, 0.3,
+                                                     mesh=MESH, spec=s), MESH, s, s)(x)
+        bn(x)
+    torch.testing.assert_close(rm, bn.running_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rv, bn.running_var, rtol=1e-12, atol=1e-12)
+    with pytest.raises(SpecError, match=r"share one running_mean/running_var, but their batch "
+                       r"statistics are merged over \('sp',\) only"):
+        spmd.shard_map(lambda t: spmd.ops.batch_norm(t, rm, rv, None, None, True, mesh=MESH,
+                                                     spec=s, axes="sp"), MESH, s, s)(x)
