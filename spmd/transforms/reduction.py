@@ -28,6 +28,8 @@ from ..core.spec import as_spec, entry_axes
 __all__ = ["reduce"]
 
 OPS = ("sum", "mean", "max", "min")
+_HALF_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+             torch.complex32: torch.complex64}
 
 
 def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
@@ -62,8 +64,9 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
         - ``mean`` with ``sizes``: the global count is known, so only the psum of the
           local sums moves (output size), then it is divided by the count.
         - ``mean`` without ``sizes``: the local element count rides in the same psum,
-          one extra element (output size + 1), in x's dtype (exact up to 2**24
-          elements in float32, 2**53 in float64; 2**11 in float16). The backward
+          one extra element (output size + 1), in x's dtype (float32 for float16
+          and bfloat16 inputs, whose mean is summed in float32 as torch's is; counts
+          exact up to 2**24 elements in float32, 2**53 in float64). The backward
           moves output size only.
         - ``max``/``min``: a pmax/pmin of the local amax/amin (output size). Without
           ``sizes`` one extra element says whether any rank holds data, so that an
@@ -131,13 +134,18 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
     out = _local(x, op, dims, keepdim=True) if not axes else None
     if axes:
         if op in ("sum", "mean"):
-            loc = x.sum(dim=dims, keepdim=True)
+            # torch.mean of half precision sums in float32 and rounds once: so do we, so
+            # that neither the sum nor the count (2**8 exact in bfloat16) rounds or overflows
+            acc = _HALF_ACC.get(x.dtype) if op == "mean" else None
+            loc = x.sum(dim=dims, keepdim=True, dtype=acc)
             if op == "sum" or known is not None:
                 out = _psum(anchor(loc), axes, rc, "reduce")
                 if op == "mean":
                     out = out / known
             else:
                 out = _mean_counted(anchor(loc), axes, rc, math.prod(x.shape[d] for d in dims))
+            if acc is not None:
+                out = out.to(x.dtype)
         else:
             out = _ext(anchor(x), op, dims, axes, rc, known is None)
     if not keepdim:

@@ -175,6 +175,29 @@ def test_issue_mean_of_uneven_and_empty_shards_is_exact(how):
             torch.testing.assert_close(y, torch.mean(xg, 0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("how", ["none", "layout"])
+def test_half_precision_mean_sums_in_float32_like_torch(dtype, how):
+    """The mean of a float16/bfloat16 shard sums in float32 and rounds once, as torch.mean
+    does: before, 70,000 ones per rank overflowed the float16 sum and count (NaN), and a
+    bfloat16 count of 301 rounded to 300. Value and gradient as torch's on one device."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    for n in (301, 70_001):
+        xg = torch.ones(2 * n, dtype=dtype)
+        xg[::7] = 3
+        lay = spmd.Layout(xg.shape, P("sp"), mesh, {0: [n + 1, n - 1]})
+        kw = {"sizes": lay} if how == "layout" else {}
+        f = spmd.shard_map(lambda x, kw=kw: reduce(x, mesh, P("sp"), op="mean", **kw), mesh,
+                           lay, P())
+        x, xr = xg.clone().requires_grad_(), xg.clone().requires_grad_()
+        y, want = f(x), xr.mean()
+        y.backward()
+        want.backward()
+        assert y.dtype == dtype
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
 def test_integer_dtypes(op, dtype):
