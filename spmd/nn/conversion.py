@@ -50,11 +50,11 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     - calls that act per position, or only along whole dims, run unchanged;
     - convolutions, transposed convolutions, pools (LPPool too), interpolation and
       padding along split dims run their ``spmd.ops`` twin (halo exchange);
-      ``sum``/``mean``/``amax``/``amin`` over split dims run ``spmd.reduce``; the common
-      losses (MSE, L1, Huber, BCE, cross-entropy, NLL, KL) run per position, then
-      ``spmd.reduce``;
-    - calls that mix positions along a split dim with no twin (norm statistics, softmax,
-      ``torch.roll``, slicing or ``cat`` along it, ``flatten`` of it, a matmul over it,
+      ``sum``/``mean``/``amax``/``amin`` over split dims run ``spmd.reduce``; norms and
+      softmax over split dims run ``spmd.ops``' twins; MSE, L1, smooth L1, Huber,
+      cross-entropy and NLL losses run ``spmd.ops``' (one psum), BCE and KL per
+      position, then ``spmd.reduce``;
+    - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or ``cat`` along it, ``flatten`` of it, a matmul over it,
       attention, an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
 
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this

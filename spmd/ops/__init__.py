@@ -22,6 +22,7 @@ from .conv import (
 )
 from .exp_normalization import log_softmax, logsumexp, softmax
 from .interpolation import interpolate
+from .losses import cross_entropy, huber_loss, l1_loss, mse_loss, nll_loss, smooth_l1_loss
 from .normalization import (
     batch_norm,
     group_norm,
@@ -46,4 +47,5 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
            "moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm",
-           "softmax", "log_softmax", "logsumexp"]
+           "softmax", "log_softmax", "logsumexp",
+           "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy"]

@@ -105,6 +105,14 @@ CASES = {
     "MSE loss": (Fn(lambda m, x: F.mse_loss(x, torch.ones_like(x) * 0.5)), "exact"),
     "cross-entropy": (Fn(lambda m, x: F.cross_entropy(x, (x[:, 0] > 0).long(), ignore_index=1)),
                       "exact"),
+    "weighted, smoothed cross-entropy": (Fn(lambda m, x: F.cross_entropy(
+        x, (x[:, 0] > 0).long(), weight=torch.tensor([1.0, 2.0, 0.5], dtype=x.dtype),
+        ignore_index=1, label_smoothing=0.1)), "exact"),
+    "cross-entropy of probabilities": (Fn(lambda m, x: F.cross_entropy(
+        x, x.detach().softmax(1) * 0.5 + 0.5 / 3)), "exact"),
+    "NLL sum": (Fn(lambda m, x: F.nll_loss(x.log_softmax(1), (x[:, 1] > 0).long(),
+                                           reduction="sum")), "exact"),
+    "Huber loss": (Fn(lambda m, x: F.huber_loss(x, x.detach() * 0.3, delta=0.5)), "exact"),
     "eval BatchNorm": (nn.BatchNorm2d(3).eval(), "exact"),
     "LayerNorm over W": (nn.LayerNorm(8), "exact"),
     "LayerNorm over H, W": (nn.LayerNorm([15, 8]).double(), "exact"),

@@ -1,5 +1,6 @@
 """Windowed layers with a domain-parallel twin in ``spmd.ops`` (convolutions, pools,
-interpolation, padding; LPPool by its formula) and losses (per position, then ``spmd.reduce``)."""
+interpolation, padding; LPPool by its formula) and losses (their ``spmd.ops`` twins, or per
+position then ``spmd.reduce``)."""
 from __future__ import annotations
 
 import functools
@@ -82,6 +83,10 @@ def _lp_pool(n: int):
 
 _LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy",
            "binary_cross_entropy_with_logits", "kl_div", "cross_entropy", "nll_loss"}
+#: those with an ``spmd.ops`` twin (one psum for sum and divisor); the rest reduce locally
+#: then run ``spmd.reduce``
+_OPS_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy",
+               "nll_loss"}
 
 
 @functools.cache
@@ -105,6 +110,9 @@ def loss(c: Call) -> Any:
                      "split input and target the same way")
         per = body
     else:
+        if c.name in ("cross_entropy", "nll_loss") and inp.ndim > 1 and ei[1]:
+            c.refuse(f"reads the class scores along {_where(1, ei[1])}",
+                     "keep the class dim whole")
         per = broadcast(c, [inp, tgt])
     if a.get("size_average") is not None or a.get("reduce") is not None:
         if any(per):
@@ -115,6 +123,18 @@ def loss(c: Call) -> Any:
     if c.name == "kl_div" and reduction == "batchmean" and per and per[0]:
         c.refuse(f"divides by the batch size, and {_where(0, per[0])}",
                  "use reduction='sum' and divide by the global batch size")
+    twin_op = getattr(ops, c.name, None) if c.name in _OPS_LOSSES else None
+    if twin_op is not None and (classes or tuple(inp.shape) == tuple(tgt.shape)):
+        c.record("swapped", f"-> spmd.ops.{c.name}")
+        if c.planning:
+            return c.out(c.call(), None)
+        spec = spec_of(ei)
+        kw = {k: v for k, v in a.items() if k not in ("input", "target", "size_average",
+                                                        "reduce") and v is not None}
+
+        def ops_twin(*_, **__):
+            return twin_op(inp, tgt, mesh=c.mesh, spec=spec, **kw)
+        return c.out(c.call(ops_twin), None)
     c.record("swapped", f"-> {c.name}(reduction='none') and spmd.reduce")
     if c.planning:
         return c.out(c.call(), None)
@@ -124,18 +144,9 @@ def loss(c: Call) -> Any:
 
     def twin(*_, **__):
         local = c.func(*args, **kwargs)
-
-        def total(t):
-            return _reduce(t, c.mesh, spec, op="sum")
         if reduction == "sum":
-            return total(local)
-        if classes:  # the mean over the targets that count, weighted as torch does
-            valid = tgt != a.get("ignore_index", -100)
-            w = a.get("weight")
-            weights = valid.to(local.dtype) if w is None else \
-                w[tgt.clamp(min=0)].to(local.dtype) * valid
-            return total(local) / total(weights)
+            return _reduce(local, c.mesh, spec, op="sum")
         if reduction == "batchmean":
-            return total(local) / inp.shape[0]
+            return _reduce(local, c.mesh, spec, op="sum") / inp.shape[0]
         return _reduce(local, c.mesh, spec, op="mean")
     return c.out(c.call(twin), None)
