@@ -218,6 +218,11 @@ class _Run:
         if self.plan is not None:
             self.plan.entries.append(_Entry(kind, self.where(), _describe(c), detail))
 
+    def module_at(self) -> torch.nn.Module | None:
+        """The innermost layer whose forward is running (None outside any)."""
+        frames = _state()
+        return frames[-1].module if frames else None
+
     def where(self) -> str:
         path = self.paths[-1] if self.paths else self.cfg.name
         f = _user_frame()

@@ -13,13 +13,19 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..core.errors import SpecError
+from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.spec import P
 from ..ops._window import input_layout
+from ..ops.normalization import _batch_norm
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
            "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
            "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Pad", "Upsample",
+           "GroupNorm", "LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax",
            "SHARDED"]
 
 
@@ -224,6 +230,156 @@ _PAD_MODES = {"ZeroPad": "constant", "ConstantPad": "constant", "ReflectionPad":
 _PAD_LAYERS = [getattr(nn, f"{kind}{n}d") for kind in _PAD_MODES for n in (1, 2, 3)
                if hasattr(nn, f"{kind}{n}d")]
 
+# -- normalisation and softmax -------------------------------------------------------------
+
+def _batched(spec: Any, what: str) -> P:
+    """The spec of an unbatched input with a batch dim put in front (as torch does)."""
+    if isinstance(spec, Layout):
+        raise SpecError(f"{what}: an unbatched input needs spec= as a P (not a Layout); "
+                        f"or add the batch dim yourself")
+    return P(None, *spec)
+
+
+class GroupNorm(_Sharded, nn.GroupNorm):
+    """``nn.GroupNorm`` on a shard split along batch and/or spatial dims. See
+    ``spmd.ops.group_norm``.
+
+    Example:
+        >>> mesh, s = spmd.Mesh((2,), ("sp",)), P(None, None, "sp")
+        >>> gn = spmd.nn.GroupNorm(2, 4, mesh=mesh, spec=s)
+        >>> x = torch.randn(1, 4, 6, 5)
+        >>> torch.allclose(spmd.shard_map(gn, mesh, s, s)(x), gn.to_torch()(x), atol=1e-5)
+        True
+    """
+    _torch_base = nn.GroupNorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.group_norm(x, self.num_groups, self.weight, self.bias, self.eps,
+                              mesh=self.mesh, spec=self.spec)
+
+
+class LayerNorm(_Sharded, nn.LayerNorm):
+    """``nn.LayerNorm`` whose normalised dims may be split; over whole dims it moves
+    nothing. See ``spmd.ops.layer_norm``."""
+    _torch_base = nn.LayerNorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps,
+                              mesh=self.mesh, spec=self.spec)
+
+
+class RMSNorm(_Sharded, nn.RMSNorm):
+    """``nn.RMSNorm`` whose normalised dims may be split. See ``spmd.ops.rms_norm``."""
+    _torch_base = nn.RMSNorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.normalized_shape, self.weight, self.eps, mesh=self.mesh,
+                            spec=self.spec)
+
+
+class _BatchNormN(_Sharded):
+    axes: Any = None
+
+    def __init__(self, *args: Any, mesh: Mesh, spec: Any, axes: Any = None, **kwargs: Any):
+        super().__init__(*args, mesh=mesh, spec=spec, **kwargs)
+        self.axes = axes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        track = self.training and self.track_running_stats
+        training = self.training or (self.running_mean is None and self.running_var is None)
+        # torch's module logic, except that num_batches_tracked is counted where the
+        # running statistics are updated: once per step, also by rank threads sharing them
+        return _batch_norm(x, self.running_mean if not self.training or track else None,
+                           self.running_var if not self.training or track else None,
+                           self.weight, self.bias, training,
+                           self.momentum if track else 0.0, self.eps, self.mesh, self.spec,
+                           self.axes, self.num_batches_tracked if track else None)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", axes={self.axes!r}" if self.axes is not None else "")
+
+
+class BatchNorm1d(_BatchNormN, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` on a shard; ``axes=`` as in ``spmd.ops.batch_norm``."""
+    _torch_base = nn.BatchNorm1d
+
+
+class BatchNorm2d(_BatchNormN, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` on a shard: in training, statistics over the global batch and
+    spatial dims (SyncBatchNorm when the batch is split too; ``axes="sp"`` for per-replica
+    statistics on a (dp, sp) mesh), running statistics and ``num_batches_tracked``
+    updated once per step as torch does, on processes and on rank threads alike. See
+    ``spmd.ops.batch_norm``.
+
+    Example:
+        >>> mesh, s = spmd.Mesh((2,), ("sp",)), P(None, None, "sp")
+        >>> bn = spmd.nn.BatchNorm2d(3, momentum=None, mesh=mesh, spec=s)
+        >>> plain = torch.nn.BatchNorm2d(3, momentum=None)
+        >>> for _ in range(3):
+        ...     x = torch.randn(2, 3, 5, 4)
+        ...     _ = spmd.shard_map(bn, mesh, s, s)(x), plain(x)
+        >>> int(bn.num_batches_tracked), torch.allclose(bn.running_var, plain.running_var)
+        (3, True)
+    """
+    _torch_base = nn.BatchNorm2d
+
+
+class BatchNorm3d(_BatchNormN, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` on a shard; see ``BatchNorm2d``."""
+    _torch_base = nn.BatchNorm3d
+
+
+class _InstanceNormN(_Sharded):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        spec = self.spec
+        unbatched = x.dim() == self._get_no_batch_dim()
+        if unbatched:
+            x, spec = x.unsqueeze(0), _batched(spec, type(self).__name__)
+        y = ops.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                              self.training or not self.track_running_stats,
+                              self.momentum if self.momentum is not None else 0.0, self.eps,
+                              mesh=self.mesh, spec=spec)
+        return y.squeeze(0) if unbatched else y
+
+
+class InstanceNorm1d(_InstanceNormN, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` on a shard. See ``spmd.ops.instance_norm``."""
+    _torch_base = nn.InstanceNorm1d
+
+
+class InstanceNorm2d(_InstanceNormN, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` on a shard. See ``spmd.ops.instance_norm``."""
+    _torch_base = nn.InstanceNorm2d
+
+
+class InstanceNorm3d(_InstanceNormN, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` on a shard. See ``spmd.ops.instance_norm``."""
+    _torch_base = nn.InstanceNorm3d
+
+
+class Softmax(_Sharded, nn.Softmax):
+    """``nn.Softmax`` over a dim that may be split. See ``spmd.ops.softmax``."""
+    _torch_base = nn.Softmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim if self.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
+        return ops.softmax(x, dim, mesh=self.mesh, spec=self.spec)
+
+
+class LogSoftmax(_Sharded, nn.LogSoftmax):
+    """``nn.LogSoftmax`` over a dim that may be split. See ``spmd.ops.log_softmax``."""
+    _torch_base = nn.LogSoftmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim if self.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
+        return ops.log_softmax(x, dim, mesh=self.mesh, spec=self.spec)
+
+
+_NORMS = [GroupNorm, LayerNorm, RMSNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d, InstanceNorm1d,
+          InstanceNorm2d, InstanceNorm3d, Softmax, LogSoftmax]
+
 #: torch layer type -> its sharded twin (what ``spmd.nn.convert`` swaps).
 SHARDED: dict[type[nn.Module], type[_Sharded]] = {
     nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
@@ -232,4 +388,5 @@ SHARDED: dict[type[nn.Module], type[_Sharded]] = {
     **{t: Pad for t in _PAD_LAYERS},
     **{t._torch_base: t for t in _POOLS},
     nn.Upsample: Upsample, nn.UpsamplingNearest2d: Upsample, nn.UpsamplingBilinear2d: Upsample,
+    **{t._torch_base: t for t in _NORMS},
 }

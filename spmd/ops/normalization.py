@@ -383,6 +383,18 @@ def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
         >>> torch.allclose(spmd.shard_map(f, mesh, s, s)(x), ref, atol=1e-5)
         True
     """
+    return _batch_norm(x, running_mean, running_var, weight, bias, training, momentum, eps,
+                       mesh, spec, axes)
+
+
+def _batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
+                running_var: torch.Tensor | None, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, training: bool, momentum: float | None, eps: float,
+                mesh: Mesh, spec: Any, axes: Any,
+                tracked: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch_norm``, plus what ``nn.BatchNorm*`` does around it: the rank that updates
+    the running statistics also counts the batch in ``tracked`` (num_batches_tracked),
+    and ``momentum=None`` averages cumulatively, 1 / num_batches_tracked, as torch."""
     what = "batch_norm"
     rc = on_mesh(mesh, what, x)
     if x.ndim < 2:
@@ -409,6 +421,10 @@ def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
             running_mean, running_var, mesh, rc, ax,
             _spec_axes(x, mesh, spec, dims, what, None)[1], what):
         with torch.no_grad():
+            if tracked is not None:
+                tracked.add_(1)
+            if momentum is None:
+                momentum = 1.0 / float(tracked) if tracked is not None else 0.0
             unbiased = m2 / (total - 1).to(m2.dtype)
             running_mean.mul_(1 - momentum).add_(mean.reshape(c).to(running_mean.dtype),
                                                  alpha=momentum)

@@ -133,3 +133,107 @@ def test_a_copied_converted_model_keeps_its_mesh_and_runs():
     twin.double()
     torch.testing.assert_close(spmd.shard_map(twin, mesh, SPEC, SPEC)(x),
                                F.conv2d(x, twin[0].weight, twin[0].bias, padding=1), **TOL)
+
+
+NORMS = {
+    "group_norm": (lambda: nn.GroupNorm(2, 4), spmd.nn.GroupNorm, (2, 4, 7, 5), SPEC),
+    "group_norm_3d": (lambda: nn.GroupNorm(1, 4), spmd.nn.GroupNorm, (1, 4, 5, 3, 2),
+                      P(None, None, "sp", None, "sp2")),
+    "layer_norm": (lambda: nn.LayerNorm([7, 5]), spmd.nn.LayerNorm, (2, 4, 7, 5), SPEC),
+    "rms_norm": (lambda: nn.RMSNorm([5]), spmd.nn.RMSNorm, (2, 4, 7, 5),
+                 P(None, None, None, "sp")),
+    "batch_norm1d": (lambda: nn.BatchNorm1d(4), spmd.nn.BatchNorm1d, (3, 4, 9), SPEC),
+    "batch_norm2d": (lambda: nn.BatchNorm2d(4, momentum=None), spmd.nn.BatchNorm2d,
+                     (3, 4, 7, 5), P("sp2", None, "sp")),
+    "batch_norm3d": (lambda: nn.BatchNorm3d(4, affine=False), spmd.nn.BatchNorm3d,
+                     (2, 4, 5, 3, 2), SPEC),
+    "instance_norm1d": (lambda: nn.InstanceNorm1d(4, affine=True), spmd.nn.InstanceNorm1d,
+                        (2, 4, 9), SPEC),
+    "instance_norm2d": (lambda: nn.InstanceNorm2d(4, track_running_stats=True),
+                        spmd.nn.InstanceNorm2d, (2, 4, 7, 5), SPEC),
+    "instance_norm3d": (lambda: nn.InstanceNorm3d(4), spmd.nn.InstanceNorm3d, (1, 4, 5, 3, 2),
+                        SPEC),
+    "softmax": (lambda: nn.Softmax(2), spmd.nn.Softmax, (2, 4, 7, 5), SPEC),
+    "log_softmax": (lambda: nn.LogSoftmax(-1), spmd.nn.LogSoftmax, (2, 4, 7, 5),
+                    P(None, None, None, "sp")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_norm_and_softmax_twins_match_torch(name):
+    """Each twin, made from its torch layer and constructed directly (loading the torch
+    layer's state_dict), equals it in training (values, input and parameter gradients)
+    and, after the training forward has updated any running statistics exactly as
+    torch's did, in eval."""
+    make, twin, shape, spec = NORMS[name]
+    mesh = spmd.Mesh((2, 2), ("sp", "sp2"))
+    plain = make().double()
+    for p in plain.parameters():  # not the default ones and zeros
+        p.data.uniform_(0.5, 1.5)
+    d = next(k for k in range(len(shape)) if spec.entry(k))  # uneven: sizes [n - 1, 1]
+    lay = Layout(shape, spec, mesh, {d: [shape[d] - 1, 1]})
+    x = torch.randn(shape, dtype=F64) * 2 + 3
+    layer = twin.from_torch(plain, mesh, spec)
+    assert type(layer) is twin and isinstance(layer, twin._torch_base)
+    assert layer.to_torch().__class__ is twin._torch_base
+    _compare_module(layer, plain, mesh, x, lay, lay)
+    args = dict(mesh=mesh, spec=spec)
+    direct = twin(*{"group_norm": (2, 4), "group_norm_3d": (1, 4), "layer_norm": ([7, 5],),
+                    "rms_norm": ([5],), "softmax": (2,), "log_softmax": (-1,)}.get(name, (4,)),
+                  **{k: getattr(plain, k) for k in ("affine", "track_running_stats", "momentum")
+                     if hasattr(plain, k)}, **args).double()
+    direct.load_state_dict(plain.state_dict())
+    assert list(direct.state_dict()) == list(plain.state_dict())
+    ref = copy.deepcopy(plain)
+    y = spmd.shard_map(direct, mesh, lay, lay)(x)
+    torch.testing.assert_close(y, ref(x), **TOL)
+    for a, b in zip(direct.buffers(), ref.buffers()):  # running stats, num_batches_tracked
+        torch.testing.assert_close(a, b, **TOL)
+    direct.eval(), ref.eval()
+    torch.testing.assert_close(spmd.shard_map(direct, mesh, lay, lay)(x), ref(x), **TOL)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_twin_trains_five_steps_then_evals_like_torch(momentum):
+    """BatchNorm2d on a (dp, sp) mesh (SyncBatchNorm semantics): 5 training steps on
+    uneven shards, running statistics and num_batches_tracked counted once per step by
+    the rank threads that share them, then eval: as torch's on the whole batch."""
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    spec = P("dp", None, "sp")
+    bn = spmd.nn.BatchNorm2d(3, momentum=momentum, mesh=mesh, spec=spec).double()
+    ref = nn.BatchNorm2d(3, momentum=momentum).double()
+    lay = Layout((4, 3, 9, 4), spec, mesh, {2: [8, 1]})
+    f = spmd.shard_map(bn, mesh, lay, lay)
+    for step in range(5):
+        x = torch.randn(lay.shape, dtype=F64) * (step + 1) + step
+        torch.testing.assert_close(f(x), ref(x), **TOL)
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 5
+    torch.testing.assert_close(bn.running_mean, ref.running_mean, **TOL)
+    torch.testing.assert_close(bn.running_var, ref.running_var, **TOL)
+    bn.eval(), ref.eval()
+    x = torch.randn(lay.shape, dtype=F64)
+    torch.testing.assert_close(f(x), ref(x), **TOL)
+
+
+def test_batch_norm_in_a_converted_model_on_rank_threads_via_types():
+    """convert on a threads mesh refuses torch's BatchNorm in training (its forward counts
+    num_batches_tracked once per rank thread); types= swaps in the twin, which counts it
+    once per step: 3 training steps equal torch's, buffers included."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3, momentum=None),
+                        nn.ReLU()).double()
+    x = torch.randn(2, 1, 7, 5, dtype=F64)
+    with pytest.raises(spmd.SpecError, match=r"types=\{nn.BatchNorm2d: spmd.nn.BatchNorm2d\}"):
+        # momentum=None reads num_batches_tracked, which a plan on meta tensors cannot:
+        # the refusal comes at the first forward, before any data moves
+        spmd.shard_map(spmd.nn.convert(net, mesh, SPEC), mesh, SPEC, SPEC)(x)
+    assert int(net[1].num_batches_tracked) == 0
+    sharded = spmd.nn.convert(net, mesh, SPEC, types={nn.BatchNorm2d: spmd.nn.BatchNorm2d},
+                              example=(2, 1, 7, 5))
+    assert type(sharded[1]) is spmd.nn.BatchNorm2d
+    f = spmd.shard_map(sharded, mesh, SPEC, SPEC)
+    for _ in range(3):
+        x = torch.randn(2, 1, 7, 5, dtype=F64)
+        torch.testing.assert_close(f(x), net(x), **TOL)
+    for (k, a), b in zip(sharded.state_dict().items(), net.state_dict().values()):
+        torch.testing.assert_close(a, b, **TOL, msg=k)

@@ -148,10 +148,13 @@ def _no_shared_buffers(c: Call, running: Any, what: str) -> None:
     """A threads mesh runs every rank's forward on the one module: its running
     statistics (and num_batches_tracked) would be updated once per rank."""
     if running is not None and c.mesh.backend == "threads":
+        twin = type(c.run.module_at()).__name__ if c.run.module_at() is not None else \
+            "BatchNorm2d"
         c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
-                 f"of a threads mesh share (each would update them)",
-                 "train on processes (spmd.launch(..., backend='gloo') or torchrun), or "
-                 "track_running_stats=False")
+                 f"of a threads mesh share (each would count num_batches_tracked)",
+                 f"swap in the twin, which counts once: types={{nn.{twin}: spmd.nn.{twin}}}; "
+                 f"or train on processes (spmd.launch(..., backend='gloo') or torchrun), "
+                 f"or track_running_stats=False")
 
 
 def batch_norm(c: Call) -> Any:
