@@ -11,9 +11,12 @@ to 2**53), and every rank merges them the same way, in group order:
 all-reduce of [sum x, sum x**2] and var = E[x**2] - E[x]**2, cancels catastrophically:
 on x ~ N(1000, 1) it is off by 0.16 in float32 where one device is off by 1e-4.
 
-The gradient is autograd's through the merge and the all_gather, whose transpose is a
-psum_scatter of the statistics' cotangents: one backward collective of O(statistics).
-Empty shards contribute count 0 and still take part in every collective.
+The norms differentiate in closed form (``_standardize``: torch's formula, whose two
+sums over the normalised elements are one psum of O(statistics) in backward), saving
+only the input and the statistics; ``moments`` itself, whose outputs are the
+statistics, differentiates through the merge and the all_gather (its transpose, one
+psum_scatter of O(statistics)). Empty shards contribute count 0 and still take part in
+every collective.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
-from ..collectives.primitives import _all_gather
+from ..collectives.primitives import _all_gather, _psum
+from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
@@ -85,7 +89,7 @@ def _merge(n: int, mean: torch.Tensor, m2: torch.Tensor, axes: tuple[str, ...],
     # An all-empty group has no mean (torch: NaN); n_r = 0 shards weigh nothing.
     gmean = (ns * means).sum(0) / total
     gm2 = m2s.sum(0) + (ns * (means - gmean) ** 2).sum(0)
-    return total, gmean.to(dt), gm2.to(dt)
+    return total, gmean.to(dt), gm2.to(m2.dtype)
 
 
 def _moments(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...], rc: RankContext,
@@ -142,16 +146,111 @@ def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Me
     return mean, var
 
 
+def _stats(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...], rc: RankContext,
+           acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global (count, mean, M2) over ``dims`` (kept as size-1 dims), without a graph: the
+    norms below differentiate through them in closed form (``_standardize``).
+
+    Per shard, two passes in the accumulation dtype (float32 for half precision):
+    mean = sum(x) / n, then M2 = ||x - mean||^2 (corrected by the residuals' sum, so that
+    the mean is as exact as the merge's float64); the shortcut sum(x^2) - n mean^2 is
+    off by 19% in float32 on N(1000, 1), and accumulating it in float64 costs a
+    float64 copy of x (slower than the second pass)."""
+    with torch.no_grad():
+        x = x.detach()
+        n = math.prod(x.shape[d] for d in dims)
+        if x.numel():
+            # the corrected two-pass algorithm: the residuals' sum r repairs the first
+            # pass's rounding of a large mean (mean += r / n, M2 -= r^2 / n)
+            mean = x.sum(dims, keepdim=True, dtype=acc) / n
+            d = x - mean
+            r = d.sum(dims, keepdim=True)
+            m2 = torch.linalg.vector_norm(d, dim=dims, keepdim=True) ** 2 - r * r / n
+            mean = mean.to(torch.float64) + r.to(torch.float64) / n
+        else:  # an empty shard: weighted by its count, 0
+            shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+            mean = m2 = x.new_zeros(shape, dtype=acc)
+            if not axes and not n:
+                mean = mean + math.nan
+        return _merge(n, mean, m2.to(acc), axes, rc)
+
+
+@custom_vjp
+def _standardize(x, mean, lo, rstd, total, w, b, dims, axes, rc):
+    # x - mean first (no cancellation when |mean| >> std, unlike x * scale + shift), the
+    # mean in two parts (mean + lo: its float64 value), then in place: one new tensor
+    y = _centered(x, mean, lo).mul_(rstd if w is None else rstd * w.to(rstd.dtype))
+    return y if b is None else y.add_(b.to(rstd.dtype))
+
+
+def _centered(x: torch.Tensor, mean: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """x - (mean + lo) in mean's dtype: exact where x and mean are close (|mean| >> std)."""
+    return torch.sub(x.to(mean.dtype), mean).sub_(lo)
+
+
+def _standardize_fwd(x, mean, lo, rstd, total, w, b, dims, axes, rc):
+    return _standardize(x, mean, lo, rstd, total, w, b, dims, axes, rc), (
+        x, mean, lo, rstd, total, w, b, dims, axes, rc)
+
+
+def _to_shape(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``t`` summed over the dims where ``shape`` is 1 (a broadcast's transpose)."""
+    red = tuple(d for d, (a, s) in enumerate(zip(t.shape, shape)) if s == 1 and a != 1)
+    return t.sum(red, keepdim=True) if red else t
+
+
+def _standardize_bwd(res, g):
+    """y = (x - mean) * rstd * w + b with mean and rstd the global statistics of x over
+    ``dims``: torch's closed form, dx = rstd * (gw - (sum gw + xhat * sum(gw * xhat)) / N)
+    with gw = g * w, whose two sums over the normalised elements are ONE psum of
+    O(statistics) across the shards. x - mean is formed once (never x * a + b, which
+    cancels when |mean| >> std) and becomes dx in place, so x's size is allocated twice
+    (it and one product); the rest works on per-cell sums, a cell being where
+    statistics and affine parameters are both constant. Weight and bias get this
+    rank's part of their gradient (shard_map or GradSync sums the parts)."""
+    x, mean, lo, rstd, total, w, b, dims, axes, rc = res
+    dt = rstd.dtype
+    gf = g.to(dt)
+    t = _centered(x, mean, lo)
+    cell = torch.broadcast_shapes(mean.shape, w.shape if w is not None else mean.shape)
+    red = tuple(d for d in range(x.ndim) if cell[d] == 1 and x.shape[d] != 1)
+    sg = gf.sum(red, keepdim=True) if red else gf
+    gxhat = rstd * ((gf * t).sum(red, keepdim=True) if red else gf * t)  # sum of g * xhat
+    wf = w.to(dt) if w is not None else None
+    s1, s2 = (sg, gxhat) if wf is None else (sg * wf, gxhat * wf)
+    sums = torch.stack([_to_shape(s1, mean.shape), _to_shape(s2, mean.shape)])
+    if axes:
+        with rc:
+            sums = _psum(sums, axes, rc, "psum")
+    k = rstd / total.to(dt)
+    scale = rstd if wf is None else rstd * wf
+    dx = t.mul_(-k * rstd * sums[1]).sub_(k * sums[0]).addcmul_(gf, scale)
+    gw = None if w is None else _to_shape(gxhat, w.shape).to(w.dtype)
+    gb = None if b is None else _to_shape(sg, b.shape).to(b.dtype)
+    return dx.to(x.dtype), None, None, None, None, gw, gb, None, None, None
+
+
+_standardize.defvjp(_standardize_fwd, _standardize_bwd)
+
+
 def _normalize(x: torch.Tensor, dims: tuple[int, ...], eps: float, axes: tuple[str, ...],
-               rc: RankContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x - mean) / sqrt(var + eps) in the accumulation dtype, with the biased var."""
+               rc: RankContext, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+    """(x - mean) / sqrt(var + eps) * weight + bias in the accumulation dtype (biased
+    var; weight and bias broadcast against x, constant along ``dims`` or not), and the
+    global (count, mean, M2)."""
     acc = _acc(x, "normalisation")
-    total, mean, m2 = _moments(x, dims, axes, rc, acc)
-    var = m2 / total.clamp_min(1).to(m2.dtype)
-    return (x.to(acc) - mean) * torch.rsqrt(var + eps), mean, var
+    total, mean, m2 = _stats(x, dims, axes, rc, acc)
+    rstd = torch.rsqrt(m2 / total.clamp_min(1).to(m2.dtype) + eps)
+    hi = mean.to(acc)
+    return _standardize(anchor(x) if axes else x, hi, (mean - hi).to(acc), rstd, total,
+                        weight, bias, dims, axes, rc), (total, mean, m2)
 
 
 def _affine(y: torch.Tensor, weight, bias, shape: tuple[int, ...]) -> torch.Tensor:
+    if weight is not None and bias is not None:  # one pass
+        return torch.addcmul(bias.to(y.dtype).reshape(shape), y,
+                             weight.to(y.dtype).reshape(shape))
     if weight is not None:
         y = y * weight.to(y.dtype).reshape(shape)
     if bias is not None:
@@ -194,9 +293,10 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     gspec = P(spec.entry(0), None, None, *(spec.entry(d) for d in range(2, x.ndim)))
     dims = tuple(range(2, xg.ndim))
     _, axes = _spec_axes(xg, mesh, gspec, dims, what, None)
-    y, _, _ = _normalize(xg, dims, eps, axes, rc)
-    y = _affine(y.reshape(x.shape), weight, bias, (1, c) + (1,) * (x.ndim - 2))
-    return y.to(x.dtype)
+    wshape = (1, num_groups, c // num_groups) + (1,) * (x.ndim - 2)
+    y, _ = _normalize(xg, dims, eps, axes, rc, None if weight is None else
+                      weight.reshape(wshape), None if bias is None else bias.reshape(wshape))
+    return y.reshape(x.shape).to(x.dtype)
 
 
 def _trailing(x: torch.Tensor, normalized_shape: Sequence[int], mesh: Mesh, spec: Any,
@@ -250,7 +350,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     dims, axes, (weight, bias) = _trailing(x, normalized_shape, mesh, spec, rc, what,
                                            (weight, bias))
     k = len(dims)
-    y, _, _ = _normalize(x, dims, eps, axes, rc)
+    y, _ = _normalize(x, dims, eps, axes, rc)
     lead = (1,) * (x.ndim - k)
     y = _affine(y, weight, bias, lead + tuple(x.shape[-k:]))
     return y.to(x.dtype)
@@ -411,12 +511,12 @@ def _batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
         return _affine(y, weight, bias, shape).to(x.dtype)
     dims = (0,) + tuple(range(2, x.ndim))
     _, ax = _spec_axes(x, mesh, spec, dims, what, axes)
-    acc = _acc(x, what)
-    total, mean, m2 = _moments(x, dims, ax, rc, acc)
+    y, (total, mean, m2) = _normalize(
+        x, dims, eps, ax, rc, None if weight is None else weight.reshape(shape),
+        None if bias is None else bias.reshape(shape))
     if int(total.max()) <= 1:
         raise ValueError(f"{what}: expected more than 1 value per channel when training, got "
                          f"{int(total.max())} over the global batch and spatial dims")
-    var = m2 / total.to(m2.dtype)
     if running_mean is not None and _updates_buffers(
             running_mean, running_var, mesh, rc, ax,
             _spec_axes(x, mesh, spec, dims, what, None)[1], what):
@@ -430,5 +530,4 @@ def _batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
                                                  alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased.reshape(c).to(running_var.dtype),
                                                 alpha=momentum)
-    y = (x.to(acc) - mean) * torch.rsqrt(var + eps)
-    return _affine(y, weight, bias, shape).to(x.dtype)
+    return y.to(x.dtype)

@@ -148,10 +148,11 @@ def test_one_forward_and_one_backward_collective_of_statistics_size():
                        lay.spec, lay.spec)
     with spmd.comm_stats() as stats:
         f(x).sum().backward()
-    # one record per rank (4): one all_gather forward, its psum_scatter backward
+    # one record per rank (4): one all_gather forward, one psum backward
     assert stats.calls() == 8 and stats.calls("all_gather") == 4, stats
-    # each rank sends (count, mean, M2) in float64 per (sample, group): 3 * 2 * 2 * 8 B
-    assert stats.bytes("all_gather") == 4 * 96 and stats.bytes("psum_scatter") == 4 * 96, stats
+    # each rank sends (count, mean, M2) in float64 per (sample, group): 3 * 2 * 2 * 8 B;
+    # backward, the two sums of the closed-form gradient in float32: 2 * 2 * 2 * 4 B
+    assert stats.bytes("all_gather") == 4 * 96 and stats.bytes("psum") == 4 * 32, stats
     with spmd.comm_stats() as stats:  # a layer norm over whole dims moves nothing
         spmd.shard_map(lambda t: spmd.ops.layer_norm(t, (6,), mesh=MESH, spec=lay.spec), MESH,
                        lay.spec, lay.spec)(x)
