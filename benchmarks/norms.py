@@ -24,29 +24,17 @@ all-reduce payloads counted by hand, forward and backward).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
+from conv_domain_parallel import _median_ms  # run as a script: benchmarks/ is on the path
 
 import spmd
 from spmd import Layout, P
 from spmd.comm import comm_of
-
-
-def _median_ms(step, steps: int) -> float:
-    for _ in range(2):
-        step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def _inputs(shape, shift: float = 0.0):

@@ -27,7 +27,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P, entry_axes
-from .normalization import _pspec
+from .normalization import _spec_axes
 
 __all__ = ["mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy"]
 
@@ -36,14 +36,7 @@ _REDUCTIONS = ("none", "mean", "sum")
 
 def _axes(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[P, tuple[str, ...]]:
     """``spec`` checked against ``x``, and the mesh axes that split some dim of it."""
-    spec = _pspec(spec, what)
-    if len(spec) > x.ndim:
-        raise SpecError(f"{what}: spec {spec!r} has {len(spec)} entries but input "
-                        f"({describe(x)}) has {x.ndim} dims")
-    for a in spec.axes:
-        mesh.check_axes(a, f"{what}: spec")
-    used = set(spec.axes)
-    return spec, tuple(a for a in mesh.axis_names if a in used)
+    return _spec_axes(x, mesh, spec, range(x.ndim), what, None)
 
 
 def _reduction(reduction: str, what: str) -> None:
