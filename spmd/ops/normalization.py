@@ -269,7 +269,8 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     spatial dims; statistics per sample and group over the whole global sample.
 
     Communication: one all_gather of (count, mean, M2) per (sample, group) over the axes
-    that split spatial dims; none if only N (or nothing) is split.
+    that split spatial dims, and in backward one psum of two sums per (sample, group);
+    none if only N (or nothing) is split.
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
@@ -333,7 +334,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     ``bias`` are global; each rank applies its slice of them.
 
     Communication: one all_gather of (count, mean, M2) per normalised row over the axes
-    that split normalised dims (none if they are whole: no bytes); with an affine over a
+    that split normalised dims, and in backward one psum of two sums per row (none if
+    they are whole: no bytes); with an affine over a
     split dim given a ``P``, also the small exchange of shard shapes that tells each
     rank its slice (a ``Layout`` as ``spec`` saves it).
 
@@ -473,7 +475,7 @@ def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
             (each dp replica normalises with its own batch), as DDP without SyncBN.
 
     Communication (training): one all_gather of (count, mean, M2) per channel over the
-    merged axes; its backward one psum_scatter.
+    merged axes; its backward one psum of two sums per channel.
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
