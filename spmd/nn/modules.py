@@ -359,22 +359,27 @@ class InstanceNorm3d(_InstanceNormN, nn.InstanceNorm3d):
     _torch_base = nn.InstanceNorm3d
 
 
-class Softmax(_Sharded, nn.Softmax):
+def implicit_softmax_dim(ndim: int) -> int:
+    """The dim torch's softmax family takes when given none (a legacy rule)."""
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+class _SoftmaxN(_Sharded):
+    _op: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dim = self.dim if self.dim is not None else implicit_softmax_dim(x.ndim)
+        return getattr(ops, self._op)(x, dim, mesh=self.mesh, spec=self.spec)
+
+
+class Softmax(_SoftmaxN, nn.Softmax):
     """``nn.Softmax`` over a dim that may be split. See ``spmd.ops.softmax``."""
-    _torch_base = nn.Softmax
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self.dim if self.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
-        return ops.softmax(x, dim, mesh=self.mesh, spec=self.spec)
+    _torch_base, _op = nn.Softmax, "softmax"
 
 
-class LogSoftmax(_Sharded, nn.LogSoftmax):
+class LogSoftmax(_SoftmaxN, nn.LogSoftmax):
     """``nn.LogSoftmax`` over a dim that may be split. See ``spmd.ops.log_softmax``."""
-    _torch_base = nn.LogSoftmax
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dim = self.dim if self.dim is not None else (0 if x.ndim in (0, 1, 3) else 1)
-        return ops.log_softmax(x, dim, mesh=self.mesh, spec=self.spec)
+    _torch_base, _op = nn.LogSoftmax, "log_softmax"
 
 
 _NORMS = [GroupNorm, LayerNorm, RMSNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d, InstanceNorm1d,

@@ -77,10 +77,10 @@ def _spec_axes(x: torch.Tensor, mesh: Mesh, spec: Any, dims: Sequence[int], what
 
 def _merge(n: int, mean: torch.Tensor, m2: torch.Tensor, axes: tuple[str, ...],
            rc: RankContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global (count, mean, M2) from every rank's, in one all_gather (see the module)."""
+    """Global (count, mean, M2) from every rank's, in one all_gather (see the module);
+    the mean in float64, M2 in m2's dtype."""
     if not axes:
         return torch.tensor(float(n), dtype=torch.float64), mean, m2
-    dt = mean.dtype
     count = torch.full_like(mean, float(n), dtype=torch.float64)
     local = torch.stack([count, mean.to(torch.float64), m2.to(torch.float64)])
     got = _all_gather(anchor(local), axes, rc, 0, False, None)  # (P, 3, ...)
@@ -89,19 +89,39 @@ def _merge(n: int, mean: torch.Tensor, m2: torch.Tensor, axes: tuple[str, ...],
     # An all-empty group has no mean (torch: NaN); n_r = 0 shards weigh nothing.
     gmean = (ns * means).sum(0) / total
     gm2 = m2s.sum(0) + (ns * (means - gmean) ** 2).sum(0)
-    return total, gmean.to(dt), gm2.to(m2.dtype)
+    return total, gmean, gm2.to(m2.dtype)
+
+
+def _shard_moments(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...],
+                   acc: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """This shard's (count, mean, M2) over ``dims`` (kept as size-1 dims): the mean in
+    float64, M2 in ``acc``; differentiable.
+
+    Two passes in ``acc`` (float32 for half precision): mean = sum(x) / n, then
+    M2 = ||x - mean||^2, corrected by the residuals' sum r (mean += r / n,
+    M2 -= r^2 / n: the corrected two-pass algorithm), so the mean is as exact as the
+    merge's float64. The shortcut sum(x^2) - n mean^2 is off by 19% in float32 on
+    N(1000, 1), and accumulating it in float64 costs a float64 copy of x."""
+    n = math.prod(x.shape[d] for d in dims)
+    if not x.numel():  # an empty shard: weighted by its count, 0
+        shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+        mean, m2 = x.new_zeros(shape, dtype=torch.float64), x.new_zeros(shape, dtype=acc)
+        return n, (mean if axes or n else mean + math.nan), m2
+    mean = x.sum(dims, keepdim=True, dtype=acc) / n
+    d = x - mean
+    r = d.sum(dims, keepdim=True)
+    # squared in place where no graph needs d (the norms' statistics): no second copy
+    sq = d * d if d.requires_grad else d.square_()
+    m2 = sq.sum(dims, keepdim=True) - r * r / n
+    return n, mean.to(torch.float64) + r.to(torch.float64) / n, m2.to(acc)
 
 
 def _moments(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...], rc: RankContext,
              acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(global count, mean, M2) over ``dims`` (kept as size-1 dims), in ``acc``."""
-    xf = x.to(acc)
-    n = math.prod(x.shape[d] for d in dims)
-    mean = xf.sum(dims, keepdim=True) / max(n, 1)  # an empty shard: 0, weighted by 0
-    m2 = ((xf - mean) ** 2).sum(dims, keepdim=True)
-    if not axes:
-        mean = mean if n else mean + math.nan
-    return _merge(n, mean, m2, axes, rc)
+    """(global count, mean, M2) over ``dims`` (kept as size-1 dims), in ``acc``, with
+    autograd's gradient through the shard moments, the all_gather and the merge."""
+    total, mean, m2 = _merge(*_shard_moments(x, dims, axes, acc), axes, rc)
+    return total, mean.to(acc), m2
 
 
 def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Mesh,
@@ -148,31 +168,11 @@ def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Me
 
 def _stats(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...], rc: RankContext,
            acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Global (count, mean, M2) over ``dims`` (kept as size-1 dims), without a graph: the
-    norms below differentiate through them in closed form (``_standardize``).
-
-    Per shard, two passes in the accumulation dtype (float32 for half precision):
-    mean = sum(x) / n, then M2 = ||x - mean||^2 (corrected by the residuals' sum, so that
-    the mean is as exact as the merge's float64); the shortcut sum(x^2) - n mean^2 is
-    off by 19% in float32 on N(1000, 1), and accumulating it in float64 costs a
-    float64 copy of x (slower than the second pass)."""
+    """Global (count, mean, M2) over ``dims`` (kept as size-1 dims; the mean in float64),
+    without a graph: the norms differentiate through them in closed form
+    (``_standardize``)."""
     with torch.no_grad():
-        x = x.detach()
-        n = math.prod(x.shape[d] for d in dims)
-        if x.numel():
-            # the corrected two-pass algorithm: the residuals' sum r repairs the first
-            # pass's rounding of a large mean (mean += r / n, M2 -= r^2 / n)
-            mean = x.sum(dims, keepdim=True, dtype=acc) / n
-            d = x - mean
-            r = d.sum(dims, keepdim=True)
-            m2 = torch.linalg.vector_norm(d, dim=dims, keepdim=True) ** 2 - r * r / n
-            mean = mean.to(torch.float64) + r.to(torch.float64) / n
-        else:  # an empty shard: weighted by its count, 0
-            shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
-            mean = m2 = x.new_zeros(shape, dtype=acc)
-            if not axes and not n:
-                mean = mean + math.nan
-        return _merge(n, mean, m2.to(acc), axes, rc)
+        return _merge(*_shard_moments(x.detach(), dims, axes, acc), axes, rc)
 
 
 @custom_vjp

@@ -11,6 +11,7 @@ import torch
 from ... import ops
 from ...transforms.reduction import reduce as _reduce
 from .._tags import axes_str, spec_of, split_dims
+from ..modules import SHARDED, implicit_softmax_dim
 from ._base import (
     Call,
     _arg,
@@ -72,7 +73,7 @@ def softmax(c: Call) -> Any:
     x = c.args[0]
     d = _arg(c, "dim", 1, None)
     if d is None:
-        d = 0 if x.ndim in (0, 1, 3) else 1  # torch's legacy implicit dim
+        d = implicit_softmax_dim(x.ndim)
     k = _dim(d, x.ndim)
     e = c.ent(x)
     if not e[k]:
@@ -148,13 +149,14 @@ def _no_shared_buffers(c: Call, running: Any, what: str) -> None:
     """A threads mesh runs every rank's forward on the one module: its running
     statistics (and num_batches_tracked) would be updated once per rank."""
     if running is not None and c.mesh.backend == "threads":
-        twin = type(c.run.module_at()).__name__ if c.run.module_at() is not None else \
-            "BatchNorm2d"
+        layer = type(c.run.module_at())
+        twin = (f"types={{nn.{layer.__name__}: spmd.nn.{layer.__name__}}}" if layer in SHARDED
+                else "its spmd.nn twin (spmd.nn.BatchNorm2d, ...) in place of the layer")
         c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
                  f"of a threads mesh share (each would count num_batches_tracked)",
-                 f"swap in the twin, which counts once: types={{nn.{twin}: spmd.nn.{twin}}}; "
-                 f"or train on processes (spmd.launch(..., backend='gloo') or torchrun), "
-                 f"or track_running_stats=False")
+                 f"swap in the twin, which counts once: {twin}; or train on processes "
+                 f"(spmd.launch(..., backend='gloo') or torchrun), or "
+                 f"track_running_stats=False")
 
 
 def batch_norm(c: Call) -> Any:
