@@ -24,7 +24,8 @@ The layers, each importing only the ones listed before it:
     comm/         the communication protocol, its threads and torch.distributed backends,
                   comm_stats
     collectives/  psum, all_gather, ppermute, ... with their transposes; custom_vjp
-    transforms/   scatter, gather, halo_pad, reduce, redistribute, each with its adjoint
+    transforms/   scatter, gather, halo_pad, reduce, redistribute, each with its adjoint;
+                  Sharded, a global tensor held as its shards
     mapping.py    shard_map: a per-shard function as one differentiable global call
     ops/, nn/     domain-parallel layers (convolutions, pooling, ...) and nn.convert
     parallel/     GradSync: bucketed, overlapped gradient sync of replicated parameters
@@ -55,13 +56,22 @@ from .comm.stats import CommStats, comm_stats
 from .core import CommAborted, CommError, CommTimeout, Layout, Mesh, P, Placeholder, SpecError
 from .mapping import shard_map
 from .run import launch
-from .transforms import backward, gather, halo_pad, halo_trim, redistribute, reduce, scatter
+from .transforms import (
+    Sharded,
+    backward,
+    gather,
+    halo_pad,
+    halo_trim,
+    redistribute,
+    reduce,
+    scatter,
+)
 from .viz import visualize
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Mesh", "P", "Layout", "Placeholder",
+    "Mesh", "P", "Layout", "Placeholder", "Sharded",
     "shard_map", "launch", "visualize", "custom_vjp", "comm_stats", "CommStats",
     "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",

@@ -36,6 +36,7 @@ from .core.layout import Layout
 from .core.mesh import Mesh
 from .core.provenance import mark
 from .core.spec import P
+from .transforms.sharded import Sharded, cat_plan, run_cat_plan, same_cut
 
 __all__ = ["shard_map"]
 
@@ -127,15 +128,16 @@ class _ShardMap:
 
     def _in_layouts(self, args: tuple) -> tuple[list, Any, list]:
         leaves, treedef = _tree.flatten(args)
-        key = (treedef, tuple((tuple(x.shape) if isinstance(x, torch.Tensor) else None)
-                              for x in leaves))
+        key = (treedef, tuple(_leaf_key(x) for x in leaves))
         hit = self._in_cache.get(key)
         if hit is None:
             specs = _tree.match_specs(self.in_specs, args, "in_specs", "args")
             layouts = []
             paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
             for path, x, s in zip(paths, leaves, specs):
-                if isinstance(x, torch.Tensor):
+                if isinstance(x, Sharded):
+                    layouts.append(_sharded_layout(x, s, self.mesh, _tree.keystr("args", path)))
+                elif isinstance(x, torch.Tensor):
                     layouts.append(_layout_for(x, s, self.mesh, _tree.keystr("args", path)))
                 else:
                     if s is not None and (not isinstance(s, P) or s.axes):
@@ -167,14 +169,19 @@ class _ShardMap:
         diff = [i for i, x in enumerate(leaves)
                 if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
         per_rank = in_rank_of(self.mesh)
+        mine = [self.mesh.rank] if per_rank else list(range(self.mesh.size))
+        sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
+        self._check_sharded(args, leaves, sharded, mine)
+        # Shards needing gradients: each is its own input of the call (per-rank semantics).
+        sdiff = [(i, r) for i in sharded for r in mine
+                 if grad_on and leaves[i].shards[r].requires_grad]
 
-        detached = [x.detach() if lay is not None else x for x, lay in zip(leaves, layouts)]
-        diff_set = set(diff)
+        detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+        diff_set, sdiff_set = set(diff), set(sdiff)
         # Rank threads share the caller's tensors: a replica other than the first gets a
         # copy (made before any rank runs), so that an in-place op in the body acts once
         # on the caller's tensor, as on processes and on one device.
-        mine = [self.mesh.rank] if per_rank else range(self.mesh.size)
-        copies = {(i, r): lay.shard(detached[i], r).clone()
+        copies = {(i, r): _shard_of(detached[i], lay, r).detach().clone()
                   for i, lay in enumerate(layouts) if lay is not None and
                   self.mesh.backend == "threads" and lay.replicated_axes
                   for r in mine if any(self.mesh.axis_index(a, r) for a in lay.replicated_axes)}
@@ -184,20 +191,24 @@ class _ShardMap:
             self._check_same_globals(leaves, args)
 
         def run_rank(rank: int):
-            local_in = []
+            local_g, local_s = [], []
             loc = list(detached)
             for i, lay in enumerate(layouts):
                 if lay is not None:
                     t = copies.get((i, rank))
                     if t is None:
-                        t = lay.shard(detached[i], rank)
+                        t = _shard_of(detached[i], lay, rank)
                     if i in diff_set:
                         t = t.requires_grad_()
-                        local_in.append(t)
+                        local_g.append(t)
+                    elif (i, rank) in sdiff_set:
+                        t = t.detach().requires_grad_()  # this rank's graph starts here
+                        local_s.append(t)
                     if check:
                         mark(t, lay)
                     loc[i] = t
             args_local = optree.tree_unflatten(treedef, loc)
+            local_in = local_g + local_s
             if not grad_on:  # rank threads start with grad mode on
                 with torch.no_grad():
                     return self.f(*args_local), local_in, []
@@ -233,18 +244,52 @@ class _ShardMap:
         out_specs, out_paths = hit
         state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
                        [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
+        state.sdiff = sdiff
+        state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
         state.anchors = [results[r][2] for r in ranks]
-        global_outs = state.assemble()
+        global_outs = state.assemble(bool(sharded))
         if grad_on and state.any_out_grad:
             state.find_params()
-            if state.diff or state.params:
-                state.tensor_out_idx = [i for i, g in enumerate(global_outs)
-                                        if isinstance(g, torch.Tensor)]
-                state.global_outs = global_outs
-                res = _Node.apply(state, *[leaves[i] for i in diff], *state.params)
-                for i, t in zip(state.tensor_out_idx, res):
-                    global_outs[i] = t
+            if state.diff or state.sdiff or state.params:
+                state.node_map = []  # (output, rank position; None for a global tensor)
+                for k, g in enumerate(global_outs):
+                    if isinstance(g, Sharded):
+                        state.node_map += [(k, pos) for pos in range(len(ranks))]
+                    elif isinstance(g, torch.Tensor):
+                        state.node_map.append((k, None))
+                state.node_vals = [global_outs[k] if pos is None
+                                   else global_outs[k].shards[ranks[pos]].detach()
+                                   for k, pos in state.node_map]
+                res = _Node.apply(state, *[leaves[i] for i in diff],
+                                  *[leaves[i].shards[r] for i, r in sdiff], *state.params)
+                shards: dict[int, dict[int, torch.Tensor]] = {}
+                for (k, pos), t in zip(state.node_map, res):
+                    if pos is None:
+                        global_outs[k] = t
+                    else:
+                        shards.setdefault(k, {})[ranks[pos]] = t
+                for k, d in shards.items():
+                    global_outs[k] = Sharded(d, global_outs[k].layout, self.mesh)
         return optree.tree_unflatten(out_def, global_outs)
+
+    def _check_sharded(self, args: tuple, leaves: list, sharded: list[int], mine: list[int]) -> None:
+        """Sharded arguments live on this mesh and hold the shards of the ranks running."""
+        if not sharded:
+            return
+        paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
+        for i in sharded:
+            x = leaves[i]
+            where = _tree.keystr("args", paths[i])
+            if x.mesh is not self.mesh:
+                raise SpecError(f"shard_map: {where} is {x!r} on {x.mesh!r}, another Mesh "
+                                f"object than the one shard_map runs on ({self.mesh!r}); "
+                                f"build it on the same mesh")
+            lack = [r for r in mine if r not in x.shards]
+            if lack:
+                raise SpecError(f"shard_map: {where} is {x!r}, which holds no shard of "
+                                f"rank{'s' * (len(lack) > 1)} {', '.join(map(str, lack))}; "
+                                f"build it where it is used (in per-rank code: "
+                                f"Sharded.from_local or Sharded.load on every rank)")
 
 
 def _refuse_functorch() -> None:
@@ -275,6 +320,27 @@ def _layout_for(x: torch.Tensor, s: Any, mesh: Mesh, where: str) -> Layout:
         raise SpecError(f"{where} ({describe(x)}): {e}") from None
 
 
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, Sharded):
+        return x.layout
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def _sharded_layout(x: Sharded, s: Any, mesh: Mesh, where: str) -> Layout:
+    """A Sharded argument's layout, which its in_specs entry must describe: the same cut
+    (a ``P``) or the same layout (a ``Layout``). Moving data is the caller's decision."""
+    lay = x.layout
+    if not same_cut(lay, s, mesh):
+        raise SpecError(f"in_specs for {where} is {s!r} but the argument is {x!r}; pass its "
+                        f"own spec ({lay.spec!r}, or its Layout) in in_specs, or re-lay it "
+                        f"first with spmd.redistribute(x, mesh, dst_spec={s!r})")
+    return lay
+
+
+def _shard_of(x: Any, lay: Layout, rank: int) -> torch.Tensor:
+    return x.shards[rank] if isinstance(x, Sharded) else lay.shard(x, rank)
+
+
 class _State:
     """Everything one shard_map call needs for assembly and backward."""
 
@@ -298,9 +364,11 @@ class _State:
 
     # -- forward assembly -----------------------------------------------------------------
 
-    def assemble(self) -> list:
+    def assemble(self, sharded: bool) -> list:
+        """The outputs: global tensors, or (``sharded``: some argument was a Sharded)
+        Sharded values for the outputs whose spec splits a dim."""
         mesh = self.mesh
-        out = []
+        out, pending = [], []
         for k, spec in enumerate(self.out_specs):
             where = _tree.keystr("out", self.out_paths[k])
             vals = [outs[k] for outs in self.local_outs]
@@ -315,6 +383,19 @@ class _State:
             spec = P() if spec is None else spec
             if isinstance(spec, Layout):
                 spec = spec.spec
+            if sharded and spec.axes:
+                if self.per_rank:  # layouts below, all in one exchange
+                    pending.append((k, vals[0], spec, where))
+                    out.append(None)
+                    self.out_layouts.append(None)
+                    continue
+                lay = _out_layout(dict(enumerate(tuple(v.shape) for v in vals)), spec, mesh,
+                                  where)
+                if self.sm.check_rep:
+                    _check_rep_threads(vals, lay, where)
+                self.out_layouts.append(lay)
+                out.append(Sharded(dict(enumerate(vals)), lay, mesh))
+                continue
             if self.per_rank:
                 g, lay = _gather_global(vals[0], spec, mesh, self.ranks[0], where,
                                         self.sm.check_rep)
@@ -323,6 +404,15 @@ class _State:
                                            self.sm._out_cache)
             self.out_layouts.append(lay)
             out.append(g)
+        if pending:
+            rank = self.ranks[0]
+            lays = _exchange_out_layouts([(v, spec, where) for _, v, spec, where in pending],
+                                         mesh, rank)
+            for (k, v, _, where), lay in zip(pending, lays):
+                if self.sm.check_rep and lay.replicated_axes:
+                    _check_rep_per_rank(v, lay, mesh, rank, where)
+                self.out_layouts[k] = lay
+                out[k] = Sharded({rank: v}, lay, mesh)
         return out
 
     # -- parameters ------------------------------------------------------------------------
@@ -351,20 +441,23 @@ class _State:
 
     # -- backward ----------------------------------------------------------------------------
 
-    def backward(self, gouts: Sequence[torch.Tensor | None], tensor_out_idx: list[int],
-                 local_outs: list[list], anchors: list[list]):
+    def backward(self, gouts: Sequence[torch.Tensor | None], local_outs: list[list],
+                 anchors: list[list]):
+        """Gradients for the call's inputs: the global arguments', the shards' (each its
+        rank's own, as in per-rank code) and the parameters'."""
         mesh = self.mesh
-        cot_by_out = dict(zip(tensor_out_idx, gouts))
 
         def rank_grads(pos: int, rank: int):
             outs, cots = [], []
-            for k, lay in enumerate(self.out_layouts):
-                g = cot_by_out.get(k)
+            for (k, p), g in zip(self.node_map, gouts):
                 t = local_outs[pos][k]
-                if g is None or lay is None or t is None or not t.requires_grad:
+                if g is None or t is None or not t.requires_grad or p not in (None, pos):
                     continue
                 outs.append(t)
-                cots.append(lay.shard(g, rank) / _rep_factor(lay))
+                if p is None:  # a global output: this rank's part of its cotangent
+                    lay = self.out_layouts[k]
+                    g = lay.shard(g, rank) / _rep_factor(lay)
+                cots.append(g)
             ins = list(self.local_ins[pos]) + self.params
             if not outs:
                 return [None] * len(ins)
@@ -381,6 +474,11 @@ class _State:
                                  rank_rng=mesh.rng == "per_rank")
 
         n_in = len(self.diff)
+        sgrads: list[torch.Tensor | None] = [None] * len(self.sdiff)
+        for pos, js in enumerate(self.s_pos):
+            for m, j in enumerate(js):
+                sgrads[j] = per[pos][n_in + m]
+        per = [p[:n_in] + p[n_in + len(js):] for p, js in zip(per, self.s_pos)]
         grads: list[torch.Tensor | None] = []
         for j, i in enumerate(self.diff):
             lay = self.in_layouts[i]
@@ -403,7 +501,7 @@ class _State:
         if self.per_rank:
             with in_backward():
                 grads = self._sum_over_mesh(grads)
-        return grads
+        return grads[:n_in] + sgrads + grads[n_in:]
 
     def _sum_over_mesh(self, grads: list) -> list:
         """Per-rank view: every rank holds a part of each gradient; sum them everywhere.
@@ -475,6 +573,8 @@ def _fingerprint(x: Any) -> int:
             w = torch.arange(off, off + v.numel(), device=v.device) % 65521 + 1
             s1, s2 = s1 + int(v.sum()), s2 + int((v * w).sum())
         return hash((h, s1, s2)) & _MASK  # ints hash alike in every process
+    if isinstance(x, Sharded):  # each rank holds its own shards: compare how they are cut
+        return zlib.crc32(f"{x.layout!r} {x.dtype}".encode()) + 1
     if x is None or isinstance(x, (bool, int, float, str, complex)):
         return zlib.crc32(repr(x).encode()) + 1
     return 0
@@ -564,40 +664,57 @@ def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
     if hit is None:
         lay = _out_layout(dict(enumerate(shapes)), spec, mesh, where)
         owners = lay.owners()
-        hit = cache[(shapes, spec)] = (lay, owners, _cat_plan(lay, owners))
+        hit = cache[(shapes, spec)] = (lay, owners, cat_plan(lay, owners))
         if len(cache) > 256:
             cache.pop(next(iter(cache)))
     lay, owners, plan = hit
     if check_rep:
-        for r in range(len(vals)):
-            o = owners[lay.shard_key(r)]
-            if r != o:
-                _compare_rep(vals[o], vals[r], o, r, where, lay)
+        _check_rep_threads(vals, lay, where, owners)
     with torch.no_grad():
-        return _run_cat_plan(plan, vals), lay
+        return run_cat_plan(plan, vals), lay
 
 
-def _cat_plan(lay: Layout, owners: dict[tuple, int]) -> Any:
-    """Nested (dim, [children]) concatenations, leaves the ranks owning each shard."""
-    dims = lay.split_dims
-
-    def build(prefix: tuple, k: int) -> Any:
-        if k == len(dims):
-            return owners[prefix]
-        nxt = sorted({key[k] for key in owners if key[:k] == prefix})
-        return (dims[k], [build(prefix + (c,), k + 1) for c in nxt])
-
-    return build((), 0)
+def _check_rep_threads(vals: list[torch.Tensor], lay: Layout, where: str,
+                       owners: dict | None = None) -> None:
+    """Every rank's value equals the copy of the lowest rank holding its shard."""
+    owners = lay.owners() if owners is None else owners
+    for r in range(len(vals)):
+        o = owners[lay.shard_key(r)]
+        if r != o:
+            _compare_rep(vals[o], vals[r], o, r, where, lay)
 
 
-def _run_cat_plan(plan: Any, vals: list[torch.Tensor]) -> torch.Tensor:
-    if isinstance(plan, int):
-        return vals[plan].detach().clone()
-    d, kids = plan
-    if len(kids) == 1:
-        return _run_cat_plan(kids[0], vals)
-    return torch.cat([vals[k].detach() if isinstance(k, int) else _run_cat_plan(k, vals)
-                      for k in kids], d)
+def _check_rep_per_rank(v: torch.Tensor, lay: Layout, mesh: Mesh, rank: int, where: str) -> None:
+    """Per-rank view: every rank of the replicated axes holds the same value."""
+    group = mesh.group(lay.replicated_axes, rank)
+    parts = comm_of(mesh).all_gather(v.detach().unsqueeze(0), group, 0, name="check_rep")
+    for i, p in enumerate(parts):
+        _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay)
+
+
+def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh,
+                          rank: int) -> list[Layout]:
+    """Per-rank view: the layouts of this call's Sharded outputs, from every rank's local
+    shapes (one int64 all_gather over the mesh for all of them)."""
+    row = [len(outs)]
+    for v, _, _ in outs:
+        row += [v.ndim, *v.shape]
+    group = mesh.group(mesh.axis_names, rank)
+    mine = torch.tensor(row, dtype=torch.int64, device=outs[0][0].device)
+    got = [t.tolist() for t in comm_of(mesh).all_gather(mine, group, 0, name="shard_map sizes")]
+    for i, r in enumerate(group.ranks):
+        if got[i][0] != len(outs):
+            raise SpecError(f"shard_map: rank {r} returned {got[i][0]} split outputs, rank "
+                            f"{rank} {len(outs)}; every rank must return the same structure")
+    lays, at = [], [1] * len(got)
+    for _, spec, where in outs:
+        shapes = {}
+        for i, r in enumerate(group.ranks):
+            nd = got[i][at[i]]
+            shapes[r] = tuple(got[i][at[i] + 1:at[i] + 1 + nd])
+            at[i] += 1 + nd
+        lays.append(_out_layout(shapes, spec, mesh, where))
+    return lays
 
 
 def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
@@ -642,10 +759,7 @@ def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
         g = torch.cat(parts, d)
     lay = Layout(g.shape, spec, mesh, sizes)
     if check_rep and lay.replicated_axes:
-        group = mesh.group(lay.replicated_axes, rank)
-        parts = comm.all_gather(v.detach().unsqueeze(0), group, 0, name="check_rep")
-        for i, p in enumerate(parts):
-            _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay)
+        _check_rep_per_rank(v, lay, mesh, rank, where)
     return g, lay
 
 
@@ -696,8 +810,8 @@ class _Node(torch.autograd.Function):
         ctx.where = where
         state.local_outs = [[None] * len(outs) for outs in state.local_outs]
         state.anchors = [[None] * len(a) for a in state.anchors]
-        outs = tuple(state.global_outs[i] for i in state.tensor_out_idx)
-        state.global_outs = None
+        outs = tuple(state.node_vals)
+        state.node_vals = None
         nondiff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -716,5 +830,5 @@ class _Node(torch.autograd.Function):
         anchors = [list(a) for a in state.anchors]
         for (kind, pos, k), t in zip(ctx.where, saved):
             (outs if kind == "out" else anchors)[pos][k] = t
-        grads = state.backward(gouts, state.tensor_out_idx, outs, anchors)
+        grads = state.backward(gouts, outs, anchors)
         return (None,) + tuple(grads)

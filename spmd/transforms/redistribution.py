@@ -18,20 +18,22 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import RankContext, on_mesh
+from ..core._context import RankContext, in_rank_of, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, coords_of
 from ..core.spec import as_spec
+from .sharded import Sharded, assemble, check_source
 
 __all__ = ["redistribute"]
 
 Sizes = Mapping[int, Sequence[int]] | Sequence[Sequence[int] | None] | None
 
 
-def redistribute(x: torch.Tensor, mesh: Mesh, src_spec: Any, dst_spec: Any, *,
-                 src_sizes: Sizes = None, dst_sizes: Sizes = None) -> torch.Tensor:
+def redistribute(x: torch.Tensor | Sharded, mesh: Mesh, src_spec: Any = None,
+                 dst_spec: Any = None, *, src_sizes: Sizes = None,
+                 dst_sizes: Sizes = None) -> torch.Tensor | Sharded:
     """Re-lay this rank's shard ``x`` of a global tensor from ``src_spec`` to ``dst_spec``.
 
     Any layout to any layout on n-d meshes: shard dim a -> shard dim b, shard ->
@@ -39,7 +41,9 @@ def redistribute(x: torch.Tensor, mesh: Mesh, src_spec: Any, dst_spec: Any, *,
     tuples of axes, (S1, S2) -> (S2, S1). Lossless.
 
     Args:
-        x: this rank's shard under ``src_spec`` (per-rank code).
+        x: this rank's shard under ``src_spec`` (per-rank code), or a ``spmd.Sharded``,
+            which knows its source: ``redistribute(s, mesh, dst_spec)`` returns a Sharded
+            (on a threads mesh outside its ranks, re-cut in place from its shards).
         mesh: the mesh the code runs on.
         src_spec, dst_spec: ``P`` specs of the two layouts.
         src_sizes: the source's shard sizes (``{dim: [...]}``) if uneven and known;
@@ -64,6 +68,11 @@ def redistribute(x: torch.Tensor, mesh: Mesh, src_spec: Any, dst_spec: Any, *,
         >>> spmd.shard_map(f, mesh, P("sp"), P(None, "sp"))(torch.arange(6.0).view(3, 2)).tolist()
         [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     """
+    if isinstance(x, Sharded):
+        return _redistribute_sharded(x, mesh, src_spec, dst_spec, dst_sizes)
+    if src_spec is None or dst_spec is None:
+        raise TypeError("redistribute: src_spec and dst_spec are both needed for a tensor "
+                        "(a spmd.Sharded knows its source: redistribute(s, mesh, dst_spec))")
     rc = on_mesh(mesh, "redistribute", x)
     src_spec, dst_spec = as_spec(src_spec, "src_spec"), as_spec(dst_spec, "dst_spec")
     for name, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
@@ -77,6 +86,23 @@ def redistribute(x: torch.Tensor, mesh: Mesh, src_spec: Any, dst_spec: Any, *,
     dst = Layout(src.shape, dst_spec, mesh, dst_sizes)
     plan = _plan(src, dst)
     return _redist(anchor(x), rc, plan)
+
+
+def _redistribute_sharded(x: Sharded, mesh: Mesh, src_spec: Any, dst_spec: Any,
+                          dst_sizes: Sizes) -> Sharded:
+    if dst_spec is None:  # redistribute(s, mesh, dst_spec): the source is the value's own
+        src_spec, dst_spec = None, src_spec
+    if dst_spec is None:
+        raise TypeError(f"redistribute: give the destination spec for {x!r}: "
+                        f"redistribute(s, mesh, dst_spec)")
+    src = check_source(x, mesh, src_spec, "redistribute")
+    dst = Layout(src.shape, as_spec(dst_spec, "dst_spec"), mesh, dst_sizes)
+    if not in_rank_of(mesh):  # every shard is here: cut the assembled tensor anew
+        return Sharded.from_global(assemble(x), mesh, dst)
+    sizes = {d: s for d, s in enumerate(src.sizes) if s is not None}
+    local = redistribute(x.local, mesh, src.spec, dst.spec, src_sizes=sizes,
+                         dst_sizes=dst_sizes)
+    return Sharded({mesh.rank: local}, dst, mesh)
 
 
 def _src_layout(x: torch.Tensor, mesh: Mesh, rc: RankContext, spec, sizes) -> Layout:

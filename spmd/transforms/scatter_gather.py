@@ -30,12 +30,13 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import on_mesh
+from ..core._context import in_rank_of, on_mesh
 from ..core._format import describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.placeholder import Placeholder
+from .sharded import Sharded, assemble, check_source
 
 __all__ = ["scatter", "gather", "backward"]
 
@@ -195,7 +196,7 @@ _scatter.defvjp(_scatter_fwd, _scatter_bwd)
 
 # -- gather -------------------------------------------------------------------------------------
 
-def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
+def gather(x: torch.Tensor | Sharded, mesh: Mesh, spec: Any = None, *, dst: int | None = 0,
            sizes: Any = None) -> torch.Tensor | Placeholder:
     """Assemble the global tensor from every rank's shard on rank ``dst`` (or everywhere).
 
@@ -210,9 +211,12 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
     copy on the lowest global rank holding that shard. No other copy is sent.
 
     Args:
-        x: this rank's shard (per-rank code: a shard_map body or a launched function).
+        x: this rank's shard (per-rank code: a shard_map body or a launched function),
+            or a ``spmd.Sharded`` (its layout gives ``spec`` and ``sizes``; on a threads
+            mesh outside its ranks, where it holds every shard, the global tensor is
+            assembled in place and returned, with no ``dst``).
         mesh: the mesh the code runs on.
-        spec: how the tensor is cut, as a ``P``.
+        spec: how the tensor is cut, as a ``P`` (for a Sharded: omit it).
         dst: the global rank that receives the whole tensor; None for every rank.
         sizes: the shard sizes, as ``Layout`` takes them (default: the shards' own).
 
@@ -247,6 +251,11 @@ def gather(x: torch.Tensor, mesh: Mesh, spec: Any, *, dst: int | None = 0,
         (Placeholder(f32[6], on rank 0, requires_grad), [1.0, 2.0])
         (Placeholder(f32[6], on rank 0, requires_grad), [3.0, 4.0, 5.0])
     """
+    if isinstance(x, Sharded):
+        lay = check_source(x, mesh, spec, "gather")
+        if not in_rank_of(mesh):
+            return assemble(x)
+        x, spec, sizes = x.local, lay.spec, lay.sizes
     rc = on_mesh(mesh, "gather", tensor=False)
     n = math.prod(mesh.shape)
     if dst is not None:

@@ -19,6 +19,7 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import coords_of
 from ..core.placeholder import Placeholder
+from ..transforms.sharded import Sharded
 from ._text import render
 
 __all__ = ["visualize", "LayoutPicture", "Block"]
@@ -85,14 +86,14 @@ class LayoutPicture:
         return plot(self, ax, cmap=cmap, fontsize=fontsize)
 
 
-def visualize(x: Layout | Placeholder, *, dims: int | Sequence[int] | None = None,
+def visualize(x: Layout | Sharded | Placeholder, *, dims: int | Sequence[int] | None = None,
               halo: int | tuple[int, int] | Mapping[int, int | tuple[int, int]] | None = None,
               max_width: int = 80) -> LayoutPicture:
     """Picture which rank holds which block of a tensor, with block sizes and halos.
 
     Args:
-        x: a ``Layout``, or a ``Placeholder`` (its layout; without one, the whole tensor
-            on its holding ranks).
+        x: a ``Layout``, a ``Sharded`` (its layout), or a ``Placeholder`` (its layout;
+            without one, the whole tensor on its holding ranks).
         dims: the one or two tensor dims to draw (rows, then columns). Default: the split
             dims; with one split dim, it against the last other dim; with none, the last
             two dims. Other dims only appear in the title.
@@ -160,9 +161,11 @@ def _source(x: Any) -> tuple[tuple[int, ...], torch.dtype | None, Layout | None,
         return x.shape, None, x, ()
     if isinstance(x, Placeholder):
         return tuple(x.shape), x.dtype, x.layout, x.holders
+    if isinstance(x, Sharded):
+        return tuple(x.shape), x.dtype, x.layout, ()
     what = shape_str(x.shape, x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
     raise TypeError(
-        f"visualize: expected a spmd.Layout or spmd.Placeholder, got {what}; for a tensor, "
+        f"visualize: expected a spmd.Layout, Sharded or Placeholder, got {what}; for a tensor, "
         f"pass its layout, e.g. spmd.visualize(Layout(x.shape, P(...), mesh))")
 
 
