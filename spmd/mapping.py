@@ -171,7 +171,7 @@ class _ShardMap:
         per_rank = in_rank_of(self.mesh)
         mine = [self.mesh.rank] if per_rank else list(range(self.mesh.size))
         sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
-        self._check_sharded(args, leaves, sharded, mine)
+        named = self._check_sharded(args, leaves, sharded, mine)
         # Shards needing gradients: each is its own input of the call (per-rank semantics).
         sdiff = [(i, r) for i in sharded for r in mine
                  if grad_on and leaves[i].shards[r].requires_grad]
@@ -245,6 +245,7 @@ class _ShardMap:
         state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
                        [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
         state.sdiff = sdiff
+        state.sharded_inputs = named
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
         state.anchors = [results[r][2] for r in ranks]
         global_outs = state.assemble(bool(sharded))
@@ -272,14 +273,18 @@ class _ShardMap:
                     global_outs[k] = Sharded(d, global_outs[k].layout, self.mesh)
         return optree.tree_unflatten(out_def, global_outs)
 
-    def _check_sharded(self, args: tuple, leaves: list, sharded: list[int], mine: list[int]) -> None:
-        """Sharded arguments live on this mesh and hold the shards of the ranks running."""
+    def _check_sharded(self, args: tuple, leaves: list, sharded: list[int],
+                       mine: list[int]) -> list[tuple[str, Sharded]]:
+        """Sharded arguments live on this mesh and hold the shards of the ranks running;
+        returns them with their key paths."""
         if not sharded:
-            return
+            return []
         paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
+        named = []
         for i in sharded:
             x = leaves[i]
             where = _tree.keystr("args", paths[i])
+            named.append((where, x))
             if x.mesh is not self.mesh:
                 raise SpecError(f"shard_map: {where} is {x!r} on {x.mesh!r}, another Mesh "
                                 f"object than the one shard_map runs on ({self.mesh!r}); "
@@ -290,6 +295,7 @@ class _ShardMap:
                                 f"rank{'s' * (len(lack) > 1)} {', '.join(map(str, lack))}; "
                                 f"build it where it is used (in per-rank code: "
                                 f"Sharded.from_local or Sharded.load on every rank)")
+        return named
 
 
 def _refuse_functorch() -> None:
@@ -407,7 +413,7 @@ class _State:
         if pending:
             rank = self.ranks[0]
             lays = _exchange_out_layouts([(v, spec, where) for _, v, spec, where in pending],
-                                         mesh, rank)
+                                         mesh, rank, self.sharded_inputs)
             for (k, v, _, where), lay in zip(pending, lays):
                 if self.sm.check_rep and lay.replicated_axes:
                     _check_rep_per_rank(v, lay, mesh, rank, where)
@@ -575,6 +581,8 @@ def _fingerprint(x: Any) -> int:
         return hash((h, s1, s2)) & _MASK  # ints hash alike in every process
     if isinstance(x, Sharded):  # each rank holds its own shards: compare how they are cut
         return zlib.crc32(f"{x.layout!r} {x.dtype}".encode()) + 1
+    if isinstance(x, list):
+        return hash(tuple(_fingerprint(v) for v in x)) & _MASK
     if x is None or isinstance(x, (bool, int, float, str, complex)):
         return zlib.crc32(repr(x).encode()) + 1
     return 0
@@ -692,11 +700,14 @@ def _check_rep_per_rank(v: torch.Tensor, lay: Layout, mesh: Mesh, rank: int, whe
         _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay)
 
 
-def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh,
-                          rank: int) -> list[Layout]:
+def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh, rank: int,
+                          inputs: list[tuple[str, Sharded]]) -> list[Layout]:
     """Per-rank view: the layouts of this call's Sharded outputs, from every rank's local
-    shapes (one int64 all_gather over the mesh for all of them)."""
-    row = [len(outs)]
+    shapes (one int64 all_gather over the mesh for all of them). The same exchange
+    compares the Sharded ``inputs``' layouts: each process may have built its own (a
+    Layout given to ``from_local`` or ``load``), and ops trusting one that another rank
+    does not share would fetch the wrong halos."""
+    row = [len(outs), _fingerprint([x for _, x in inputs])]
     for v, _, _ in outs:
         row += [v.ndim, *v.shape]
     group = mesh.group(mesh.axis_names, rank)
@@ -706,7 +717,14 @@ def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh,
         if got[i][0] != len(outs):
             raise SpecError(f"shard_map: rank {r} returned {got[i][0]} split outputs, rank "
                             f"{rank} {len(outs)}; every rank must return the same structure")
-    lays, at = [], [1] * len(got)
+    differ = [r for i, r in enumerate(group.ranks) if got[i][1] != got[0][1]]
+    if differ:
+        raise SpecError(
+            f"shard_map: the Sharded arguments are laid out differently on rank "
+            f"{group.ranks[0]} and rank{'s' * (len(differ) > 1)} {', '.join(map(str, differ))} "
+            f"(here: {', '.join(f'{w} = {x!r}' for w, x in inputs)}); every process must "
+            f"build the same Layout (same shape, spec and sizes)")
+    lays, at = [], [2] * len(got)
     for _, spec, where in outs:
         shapes = {}
         for i, r in enumerate(group.ranks):

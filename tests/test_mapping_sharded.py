@@ -146,6 +146,26 @@ def test_in_specs_must_describe_the_sharded_argument():
         spmd.shard_map(lambda t: t, mesh, P("sp"), P("sp"))(part)
 
 
+def _disagreeing_layouts(mesh):
+    """Each process builds its own Layout: rank 1 claims sizes [3, 3] while rank 0 says
+    [4, 2]; rank 1's shard fits its own claim, and a halo'd op trusting the layouts
+    would read the wrong rows."""
+    sizes = [4, 2] if mesh.rank == 0 else [3, 3]
+    lay = Layout((6, 2), P("sp"), mesh, sizes={0: sizes})
+    xs = Sharded.from_local(torch.zeros(3 if mesh.rank else 4, 2), mesh, lay)
+    try:
+        spmd.shard_map(lambda t: t + 1, mesh, P("sp"), P("sp"))(xs)
+    except SpecError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_layouts_that_differ_between_processes_raise_on_every_rank(backend):
+    got = spmd.launch(_disagreeing_layouts, (2,), ("sp",), backend=backend)
+    for msg in got:
+        assert msg is not None and "Sharded arguments are laid out differently on rank 0 and "             "rank 1" in msg and "every process must build the same Layout" in msg
+
+
 def test_mixed_sharded_and_global_arguments():
     """A global argument is still split (and its gradient summed); a replicated output
     stays a global tensor, a split one becomes Sharded."""
