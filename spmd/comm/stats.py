@@ -98,8 +98,8 @@ def comm_stats() -> Iterator[CommStats]:
     try:
         yield stats
     finally:
-        with _lock:
-            _open.remove(stats)
+        with _lock:  # by identity: two open records may be equal (dataclass ==)
+            del _open[next(i for i, o in enumerate(_open) if o is stats)]
 
 
 def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=None) -> None:
