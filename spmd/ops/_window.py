@@ -6,15 +6,21 @@ reason: the output is partitioned first (``out_sizes``), and each rank then asks
 exactly the global input range its outputs read (``fetch``). That range can be wider
 than the shard (a halo, possibly from several ranks away), narrower (a trim), or
 empty; positions outside the global input follow the op's padding mode.
+
+Memory (DESIGN.md): ``windowed`` runs the op on the window but keeps for backward only
+the shard and the halo slabs that arrived, never the padded window, and writes the input
+gradient into the window's gradient in place.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
 
+from ..collectives._anchor import anchor
+from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
@@ -23,9 +29,20 @@ from ..core.layout import Layout, balanced_sizes
 from ..core.mesh import Mesh
 from ..core.provenance import marked
 from ..core.spec import P, as_spec
-from ..transforms.halo import check_mode, fetch_range
+from ..transforms.halo import (
+    Fetch,
+    assemble,
+    check_mode,
+    exchange,
+    fetch_range,
+    fetch_window,
+    plan_fetch,
+    transpose,
+    unfetch,
+)
 
-__all__ = ["input_layout", "out_sizes", "fetch", "member_ranges", "with_layout"]
+__all__ = ["input_layout", "out_sizes", "fetch", "plan", "windowed", "member_ranges",
+           "with_layout"]
 
 
 def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[RankContext, Layout]:
@@ -118,11 +135,163 @@ def member_ranges(o_sizes: Sequence[int],
 def fetch(x: torch.Tensor, rc: RankContext, layout: Layout, dim: int,
           ranges: tuple[tuple[int, int], ...], mode: str = "constant",
           value: float = 0.0, *, name: str) -> torch.Tensor:
-    """This rank's input window along ``dim``: ``ranges`` has one global range per
-    member of the axes splitting ``dim`` (one entry for an unsplit dim)."""
-    axes = layout.dim_axes(dim) or None
-    sizes = layout.sizes[dim] or (layout.shape[dim],)
+    """This rank's input window along ``dim``, differentiable: ``ranges`` has one global
+    range per member of the axes splitting ``dim`` (one entry for an unsplit dim)."""
+    axes, sizes = _split(layout, dim)
     return fetch_range(x, rc, axes, dim, sizes, ranges, mode=mode, value=value, name=name)
+
+
+def plan(rc: RankContext, layout: Layout, dim: int, ranges: tuple[tuple[int, int], ...],
+         mode: str = "constant", value: float = 0.0, *, name: str) -> Fetch:
+    """``fetch`` as data, for ``windowed``."""
+    axes, sizes = _split(layout, dim)
+    return plan_fetch(rc, axes, dim, sizes, ranges, mode=mode, value=value, name=name)
+
+
+def _split(layout: Layout, dim: int) -> tuple[tuple[str, ...] | None, tuple[int, ...]]:
+    """The axes splitting ``dim`` (None if unsplit) and the shard sizes along it."""
+    return layout.dim_axes(dim) or None, layout.sizes[dim] or (layout.shape[dim],)
+
+
+# -- windowed: an op on the fetched window that saves the shard and the halo, not the window ----
+
+Forward = Callable[..., Any]
+Backward = Callable[[torch.Tensor, tuple, torch.Tensor, tuple], tuple]
+
+
+def windowed(x: torch.Tensor, fetches: Sequence[Fetch], forward: Forward, *params: Any,
+             backward: Backward | None = None, reads_input: bool = True) -> Any:
+    """``forward(window, *params)``, where ``window`` is ``x`` fetched along each of
+    ``fetches`` in turn (a later fetch reads the halos of the earlier ones: corners).
+
+    Autograd keeps what one device would keep of ``x`` (``x`` itself, which a previous
+    layer usually keeps already) plus the halo slabs that arrived, never the padded
+    window; backward rebuilds the window from them without communication, runs the op's
+    backward and sends the halo's cotangents home (added into the shard's part of the
+    window's cotangent in place: no shard-sized copy).
+
+    Args:
+        forward: the local op, differentiable torch code; it returns a tensor or a tuple
+            whose first element is the one differentiated (the others, e.g. indices,
+            get no gradient).
+        params: further inputs of ``forward`` (weights, bias; None allowed).
+        backward: ``backward(window, params, g, needs) -> (g_window, *g_params)`` (None
+            where ``needs`` is False), the op's VJP without recomputing its forward;
+            default: the forward recomputed under autograd.
+        reads_input: whether the backward reads the window's values. If not, nothing of
+            ``x`` is kept and ``backward`` gets a meta tensor of the window's shape.
+
+    Backward with grad mode on (``create_graph=True``, ``torch.func``) recomputes the
+    forward through the differentiable fetch and differentiates that, so higher
+    derivatives are exact too (at the cost of a second halo exchange).
+    """
+    if fetches:
+        x = anchor(x)  # every rank must run the fetches' backward: an autograd node each
+    return _windowed(x, tuple(fetches), forward, backward, reads_input, *params)
+
+
+def _window_of(x: torch.Tensor, fetches: Sequence[Fetch],
+               recvs: Sequence | None = None) -> tuple[torch.Tensor, list]:
+    """The window (exchanging along each fetch, or reusing ``recvs``: no communication)
+    and what arrived."""
+    got = []
+    for i, f in enumerate(fetches):
+        r = exchange(x, f) if recvs is None else recvs[i]
+        x = assemble(x, r, f)
+        got.append(r)
+    return x, got
+
+
+def _windowed_primal(x, fetches, forward, backward, reads_input, *params):
+    return forward(_window_of(x, fetches)[0], *params)
+
+
+_windowed = custom_vjp(_windowed_primal, nondiff_argnums=(1, 2, 3, 4))
+
+
+def _windowed_fwd(x, fetches, forward, backward, reads_input, *params):
+    win, recvs = _window_of(x, fetches)
+    out = forward(win, *params)
+    needs = tuple(isinstance(p, torch.Tensor) and p.requires_grad for p in params)
+    keep = (x, recvs) if reads_input else (None, None)
+    meta = (tuple(x.shape), tuple(win.shape), needs)
+    return out, (*keep, params, meta)
+
+
+def _windowed_bwd(fetches, forward, backward, reads_input, res, g):
+    x, recvs, params, (x_shape, win_shape, needs) = res
+    g = g[0] if isinstance(g, tuple) else g
+    if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
+        return vjp_through(x, x_shape, fetches, forward, params, needs, g)
+    if g.numel() == 0:  # no output here: zero gradients (this rank still sends halos home)
+        gwin = g.new_zeros(win_shape)
+        gp = [torch.zeros_like(p) if n else None for p, n in zip(params, needs)]
+    else:
+        win = (_window_of(x, fetches, recvs)[0] if reads_input
+               else torch.empty(win_shape, dtype=g.dtype, device="meta"))
+        gwin, *gp = (backward or partial(_recompute, forward))(win, params, g, needs)
+        del win  # the rebuilt window goes before the halo exchange
+    # A cotangent the backward made is changed in place; one aliasing g is not ours.
+    owned = gwin.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()
+    for f in reversed(fetches):
+        gwin = transpose(gwin, f, owned=owned)
+    return (gwin, *gp)
+
+
+_windowed.defvjp(_windowed_fwd, _windowed_bwd)
+
+
+def _recompute(forward: Forward, win: torch.Tensor, params: tuple, g: torch.Tensor,
+               needs: tuple) -> tuple:
+    """The default backward: ``forward`` again on the rebuilt window, under autograd."""
+    with torch.enable_grad():
+        wd = win.detach().requires_grad_()
+        ps = [p.detach().requires_grad_() if n else p for p, n in zip(params, needs)]
+        out = forward(wd, *ps)
+        y = out[0] if isinstance(out, tuple) else out
+        ins = [wd, *(p for p, n in zip(ps, needs) if n)]
+        got = iter(torch.autograd.grad(y, ins, g, allow_unused=True, materialize_grads=True)
+                   if y.requires_grad else [torch.zeros_like(t) for t in ins])
+    gwin = next(got)
+    return (gwin, *(next(got) if n else None for n in needs))
+
+
+def vjp_through(x: torch.Tensor | None, x_shape: Sequence[int], fetches: Sequence[Fetch],
+                forward: Forward, params: tuple, needs: tuple, g: torch.Tensor) -> tuple:
+    """The backward as a differentiable function of x, the params and g: the window
+    fetched again (differentiable: its backward is the transpose, whose backward is the
+    fetch), the op's VJP by torch.func.vjp (which also nests under torch.func's
+    transforms), and the transposes, differentiable too. A linear op kept no x: its
+    VJP does not read it.
+
+    Every rank's graph must hold the same collectives: the window's cotangent is tied
+    to the window and to ``g`` with exact zeros, so a second backward reaches the same
+    fetches on every rank, whatever the op's own double backward does (max_pool's reads
+    its input on some ranks and not on others; an empty output may read nothing)."""
+    win = g.new_zeros(x_shape) if x is None else x
+    for f in fetches:
+        win = fetch_window(win, f)
+    diff = [i for i, n in enumerate(needs) if n]
+
+    def op(w, *ps):
+        full = list(params)
+        for i, p in zip(diff, ps):
+            full[i] = p
+        out = forward(w, *full)
+        return out[0] if isinstance(out, tuple) else out
+
+    _, vjp = torch.func.vjp(op, win, *(params[i] for i in diff))
+    gwin, *gp = vjp(g)
+    gwin = gwin + _zero(win) + _zero(g)
+    for f in reversed(fetches):
+        gwin = unfetch(gwin, f)
+    got = iter(gp)
+    return (gwin, *(next(got) if n else None for n in needs))
+
+
+def _zero(t: torch.Tensor) -> torch.Tensor:
+    """An exact 0 that depends on ``t`` (even where ``t`` holds -inf padding)."""
+    return t.flatten()[:0].sum()
 
 
 def my_range(layout: Layout, rank: int, dim: int,

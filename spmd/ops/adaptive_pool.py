@@ -21,8 +21,16 @@ import torch.nn.functional as F  # noqa: F401 - the doctests compare with F
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ._window import check_ndim, input_layout, member_ranges, out_layout, out_sizes, with_layout
-from .pool import _NEG_INF, _check_dtype, _check_nonempty, _empty, _ravel, _window
+from ._window import (
+    check_ndim,
+    input_layout,
+    member_ranges,
+    out_layout,
+    out_sizes,
+    windowed,
+    with_layout,
+)
+from .pool import _NEG_INF, _check_dtype, _check_nonempty, _empty, _ravel, _window, _zeros
 
 __all__ = ["adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"]
@@ -86,37 +94,49 @@ def _adaptive(n: int, x: torch.Tensor, output_size: Any, is_max: bool, return_in
     shape = out_lay.local_shape(rc.rank)
     if 0 in out_lay.shape:  # nothing to compute anywhere: no rank fetches
         return _empty(x, shape, x, return_indices)
-    xf, starts = _window(x, rc, lay, ranges, _NEG_INF if is_max else 0.0, what)
+    fetches, starts = _window(x, rc, lay, ranges, _NEG_INF if is_max else 0.0, what)
     if 0 in shape:
-        return _empty(x, shape, xf, return_indices)
-    offsets, v, idx = out_lay.offsets(rc.rank), xf, None
-    if return_indices:  # the global flat index of every element of the window
-        grids = [(a + torch.arange(m, device=x.device)) for a, m in zip(starts, xf.shape[2:])]
-        idx = _ravel(torch.meshgrid(*grids, indexing="ij"), lay.shape[2:]).expand(xf.shape)
-    for i in reversed(range(n)):  # separable: innermost dim first
-        dim, L, M, a = 2 + i, lay.shape[2 + i], out_size[i], starts[i]
-        lo = [o * L // M - a for o in range(offsets[dim], offsets[dim] + shape[dim])]
-        hi = [-(-(o + 1) * L // M) - a for o in range(offsets[dim], offsets[dim] + shape[dim])]
-        K, length = max(h - b for b, h in zip(lo, hi)), v.shape[dim]
-        pos = [b + j if b + j < h else length for b, h in zip(lo, hi) for j in range(K)]
-        if any(h - b < K for b, h in zip(lo, hi)):  # ragged windows: short ones read a fill slot
-            v = torch.cat([v, v.new_full((*v.shape[:dim], 1, *v.shape[dim + 1:]),
-                                         _NEG_INF if is_max else 0.0)], dim)
-            if idx is not None:
-                idx = torch.cat([idx, idx.new_zeros((*idx.shape[:dim], 1,
-                                                     *idx.shape[dim + 1:]))], dim)
-        pos = torch.tensor(pos, device=x.device)
-        g = v.index_select(dim, pos).unflatten(dim, (len(lo), K))
-        if not is_max:
-            count = torch.tensor([h - b for b, h in zip(lo, hi)], dtype=x.dtype, device=x.device)
-            v = g.sum(dim + 1) / count.view(-1, *[1] * (n - 1 - i))
-            continue
-        arg = _pick(g, dim + 1)
-        v = g.gather(dim + 1, arg).squeeze(dim + 1)
+        return windowed(x, fetches, lambda xf: _zeros(xf.new_zeros(shape), return_indices))
+    offsets = out_lay.offsets(rc.rank)
+
+    def pool(xf: torch.Tensor):
+        v, idx = xf, None
+        if return_indices:  # the global flat index of every element of the window
+            grids = [(a + torch.arange(m, device=x.device)) for a, m in zip(starts, xf.shape[2:])]
+            idx = _ravel(torch.meshgrid(*grids, indexing="ij"), lay.shape[2:]).expand(xf.shape)
+        for i in reversed(range(n)):  # separable: innermost dim first
+            v, idx = _pool_dim(v, idx, 2 + i, lay.shape[2 + i], out_size[i], starts[i],
+                               offsets[2 + i], shape[2 + i], is_max)
+        return (v, idx) if return_indices else v
+    return windowed(x, fetches, pool)
+
+
+def _pool_dim(v: torch.Tensor, idx: torch.Tensor | None, dim: int, L: int, M: int, a: int,
+              o0: int, m: int, is_max: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pool ``dim`` (global length ``L`` to ``M``; the window starts at ``a``) for this
+    rank's output rows ``[o0, o0 + m)``: gather the windows into (rows, widest window)
+    with a fill for the shorter ones, then reduce."""
+    n_after = v.ndim - 1 - dim
+    lo = [o * L // M - a for o in range(o0, o0 + m)]
+    hi = [-(-(o + 1) * L // M) - a for o in range(o0, o0 + m)]
+    K, length = max(h - b for b, h in zip(lo, hi)), v.shape[dim]
+    pos = [b + j if b + j < h else length for b, h in zip(lo, hi) for j in range(K)]
+    if any(h - b < K for b, h in zip(lo, hi)):  # ragged windows: short ones read a fill slot
+        v = torch.cat([v, v.new_full((*v.shape[:dim], 1, *v.shape[dim + 1:]),
+                                     _NEG_INF if is_max else 0.0)], dim)
         if idx is not None:
-            gi = idx.index_select(dim, pos).unflatten(dim, (len(lo), K))
-            idx = gi.gather(dim + 1, arg).squeeze(dim + 1)
-    return (v, idx) if return_indices else v
+            idx = torch.cat([idx, idx.new_zeros((*idx.shape[:dim], 1, *idx.shape[dim + 1:]))], dim)
+    pos = torch.tensor(pos, device=v.device)
+    g = v.index_select(dim, pos).unflatten(dim, (len(lo), K))
+    if not is_max:
+        count = torch.tensor([h - b for b, h in zip(lo, hi)], dtype=v.dtype, device=v.device)
+        return g.sum(dim + 1) / count.view(-1, *[1] * n_after), idx
+    arg = _pick(g, dim + 1)
+    v = g.gather(dim + 1, arg).squeeze(dim + 1)
+    if idx is not None:
+        gi = idx.index_select(dim, pos).unflatten(dim, (len(lo), K))
+        idx = gi.gather(dim + 1, arg).squeeze(dim + 1)
+    return v, idx
 
 
 def _adaptive_layout(n: int, is_max: bool):

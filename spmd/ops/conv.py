@@ -7,30 +7,41 @@ read: ``[s*o0 - lo, s*(o1-1) + d*(k-1) - lo]``. So every kernel, stride, padding
 dilation and uneven split is exact, halos may be asymmetric, zero or negative (a trim),
 and only those rows move. Weight and bias are replicated: each rank's local conv gives
 its partial weight gradient (DESIGN.md: shard_map sums them).
+
+Memory: autograd keeps the shard and the halo rows that arrived (``windowed``), and the
+backward is ATen's convolution backward on the window rebuilt from them. A stride-1 conv
+that pads the shard along one split dim (a 'same' conv, the common case) makes no padded
+copy at all: it is the conv of the shard plus the conv of the halo on thin slabs
+(``_Frame``), so a rank's peak is one device's divided by P.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..collectives._anchor import anchor
+from ..collectives.vjp import custom_vjp
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..transforms.halo import Fetch, exchange, frame, transpose
 from ._window import (
     check_ndim,
-    fetch,
     input_layout,
-    link,
     member_ranges,
     mode_error,
     ntuple,
     out_layout,
     out_sizes,
+    plan,
     refuse_split,
+    vjp_through,
+    windowed,
     with_layout,
 )
 
@@ -39,8 +50,6 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
 
 _MODES = {"zeros": "constant", "reflect": "reflect", "replicate": "replicate",
           "circular": "circular"}
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 # -- geometry: pure arithmetic on the global layout, the same on every rank --------------------
@@ -160,20 +169,152 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pads = _pads(padding, n, k, dl, st, what)
     rc, lay = input_layout(x, mesh, spec, what)
     out_lay, ranges = _conv_plan(lay, k, st, pads, dl, weight.shape[0], mode, what)
-    native = [0] * n
-    xf = x
+    native, fetches = [0] * n, []
     for i in range(n):
         dim, (lo, hi) = 2 + i, pads[i]
         if lay.sizes[dim] is None and mode == "constant" and lo == hi:
             native[i] = lo  # whole on every rank: the conv pads it, no copy
         elif lay.sizes[dim] is None:
-            xf = fetch(xf, rc, lay, dim, ((-lo, lay.shape[dim] + hi),), mode, name=what)
+            fetches.append(plan(rc, lay, dim, ((-lo, lay.shape[dim] + hi),), mode, name=what))
         else:
-            xf = fetch(xf, rc, lay, dim, ranges[dim], mode, name=what)
+            fetches.append(plan(rc, lay, dim, ranges[dim], mode, name=what))
     shape = out_lay.local_shape(rc.rank)
-    if 0 in shape[2:]:
-        return link(xf.new_zeros(shape), xf, weight, bias)
-    return _CONV[n](xf, weight, bias, st, tuple(native), dl, groups)
+    args = (st, tuple(native), dl, False, groups)
+    fwd, bwd = _local_conv(args, shape if 0 in shape[2:] else None)
+    fr = _frame_plan(fetches, args, pads, k, shape, fwd)
+    if fr is not None:
+        return _framed(anchor(x), fr, weight, bias)
+    return windowed(x, fetches, fwd, weight, bias, backward=bwd)
+
+
+# -- a conv that only pads the shard: the shard's conv plus the halo's, on thin slabs ----------
+
+@dataclass(frozen=True)
+class _Frame:
+    """A stride-1 conv whose one fetch pads the shard by ``p`` on both sides of ``dim``.
+
+    Its output is the conv of the shard itself, zero-padded by the conv (no copy), plus
+    the conv of the halo alone, which reaches only the first and last few output rows:
+    computed on thin slabs (``slabs``: output rows, window rows, halo rows kept). So no
+    padded copy of the shard is made in forward or backward, and the input gradient is
+    the conv's own, with the halo's added in place."""
+    f: Fetch
+    dim: int
+    p: int
+    n: int
+    full: tuple  # the shard's conv (``_conv_at``'s args): padding p along dim
+    slab: tuple  # the slabs' conv: no padding along dim
+    slabs: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int]], ...]
+    window_conv: Callable  # the conv of the whole window (for a differentiable backward)
+
+
+def _frame_plan(fetches: list[Fetch], args: tuple, pads: tuple[tuple[int, int], ...],
+                kernel: tuple[int, ...], shape: Sequence[int], window_conv: Callable):
+    """The ``_Frame`` of this conv, or None where it is not one (several fetches, a
+    stride, a trim, an asymmetric or empty window: the window path is used)."""
+    if len(fetches) != 1 or 0 in shape[2:]:
+        return None
+    f, (stride, native, dilation, _, _) = fetches[0], args
+    i = f.dim - 2
+    (lo, hi), (sizes, ranges, own, _, _) = pads[i], f.plan
+    a, b = ranges[f.me]
+    n = sizes[f.me]
+    if stride[i] != 1 or lo != hi or n == 0 or own[f.me] != (lo, 0, n) or b - a != n + 2 * lo:
+        return None
+    p, span, m = lo, dilation[i] * (kernel[i] - 1) + 1, shape[f.dim]
+    slabs = []
+    if p and min(p, m):  # output rows that read the first p window rows
+        slabs.append(((0, min(p, m)), (0, min(p, m) + span - 1), (0, p)))
+    b0 = max(p + n - span + 1, 0)  # the first output row that reads the last p rows
+    if p and b0 < m:
+        slabs.append(((b0, m), (b0, n + 2 * p), (p + n, n + 2 * p)))
+    full = list(native)
+    full[i] = p
+    return _Frame(f, f.dim, p, n, (stride, tuple(full), *args[2:]), args, tuple(slabs),
+                  window_conv)
+
+
+def _conv_at(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             args: tuple) -> torch.Tensor:
+    """ATen's convolution; ``args = (stride, padding, dilation, transposed, groups)``."""
+    stride, padding, dilation, transposed, groups = args
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed,
+                                      [0] * len(stride), groups)
+
+
+def _conv_bwd_at(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None, args: tuple, mask: list[bool]) -> tuple:
+    """ATen's convolution backward (no forward recomputed): the ``mask``ed gradients of
+    x, weight and bias."""
+    stride, padding, dilation, transposed, groups = args
+    return torch.ops.aten.convolution_backward(
+        g, x, weight, None if bias is None else [bias.shape[0]], stride, padding, dilation,
+        transposed, [0] * len(stride), groups, mask)
+
+
+def _framed_value(x: torch.Tensor, recv: list, fr: _Frame, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    y = _conv_at(x, weight, bias, fr.full)
+    for (o0, o1), rows, keep in fr.slabs:
+        s = frame(x, recv, fr.f, rows, keep)
+        if s is not None:  # the halo's part (the conv is linear): added in place
+            y.narrow(fr.dim, o0, o1 - o0).add_(_conv_at(s, weight, None, fr.slab))
+    return y
+
+
+def _framed_primal(x, fr, weight, bias):
+    return _framed_value(x, exchange(x, fr.f), fr, weight, bias)
+
+
+_framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
+
+
+def _framed_fwd(x, fr, weight, bias):
+    recv = exchange(x, fr.f)
+    needs = (weight.requires_grad, bias is not None and bias.requires_grad)
+    return _framed_value(x, recv, fr, weight, bias), (x, recv, weight, bias, needs)
+
+
+def _framed_bwd(fr, res, g):
+    x, recv, weight, bias, needs = res
+    if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
+        return vjp_through(x, x.shape, (fr.f,), fr.window_conv, (weight, bias), needs, g)
+    gx, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [True, *needs])
+    shape = list(x.shape)
+    shape[fr.dim] = 2 * fr.p
+    halo = g.new_zeros(shape)  # the window's cotangent outside the shard, in window order
+    for (o0, o1), (w0, w1), keep in fr.slabs:
+        s = frame(x, recv, fr.f, (w0, w1), keep)
+        if s is None:  # nothing arrived there: no gradient to send, none to the weight
+            continue
+        gi, gws, _ = _conv_bwd_at(g.narrow(fr.dim, o0, o1 - o0), s, weight, None, fr.slab,
+                                  [True, needs[0], False])
+        if gws is not None:
+            gw += gws
+        lo, hi = max(w0, keep[0]), min(w1, keep[1])
+        at = lo if lo < fr.p else lo - fr.n
+        halo.narrow(fr.dim, at, hi - lo).copy_(gi.narrow(fr.dim, lo - w0, hi - lo))
+    return transpose(halo, fr.f, owned=True, own_grad=gx), gw, gb
+
+
+_framed.defvjp(_framed_fwd, _framed_bwd)
+
+
+
+
+def _local_conv(args: tuple, zeros_of: Sequence[int] | None) -> tuple[Callable, Callable]:
+    """The local convolution of ``windowed`` (``args``: see ``_conv_at``) and its
+    backward, ATen's own: no forward recomputed. ``zeros_of``: the output's shape where
+    no input reaches this rank's outputs (then they are zeros)."""
+    def forward(xw: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        return xw.new_zeros(zeros_of) if zeros_of is not None else _conv_at(xw, weight, bias, args)
+
+    def backward(xw: torch.Tensor, params: tuple, g: torch.Tensor, needs: tuple) -> tuple:
+        if zeros_of is not None:
+            return (torch.zeros_like(xw), *(torch.zeros_like(p) if n else None
+                                            for p, n in zip(params, needs)))
+        return _conv_bwd_at(g, xw, *params, args, [True, *needs])
+    return forward, backward
 
 
 @with_layout(_conv_layout(1))
@@ -333,23 +474,23 @@ def _conv_transpose(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     rc, lay = input_layout(x, mesh, spec, what)
     out_lay, plans = _convt_plan(lay, tuple(weight.shape[2:]), st, pd, opd, dl,
                                  weight.shape[1] * groups, what)
-    xf, crops, empty = x, [], False
+    fetches, crops, empty = [], [], False
     for i in range(n):
         dim = 2 + i
         if lay.sizes[dim] is None:
             (a, b), crop = plans[dim][0]
             if crop is not None and (a, b) != (0, lay.shape[dim]):
-                xf = xf.narrow(dim, a, b - a)
+                x = x.narrow(dim, a, b - a)
         else:
             _, crop = plans[dim][lay.shard_index(rc.rank, dim)]
-            xf = fetch(xf, rc, lay, dim, tuple(r for r, _ in plans[dim]), name=what)
+            fetches.append(plan(rc, lay, dim, tuple(r for r, _ in plans[dim]), name=what))
         empty |= crop is None
         crops.append(crop)
     shape = out_lay.local_shape(rc.rank)
-    if empty or 0 in shape[2:]:
-        y = link(xf.new_zeros(shape), xf, weight)
-    else:
-        y = _CONVT[n](xf, weight, None, st, 0, 0, groups, dl)
+    empty = empty or 0 in shape[2:]
+    fwd, bwd = _local_conv((st, (0,) * n, dl, True, groups), shape if empty else None)
+    y = windowed(x, fetches, fwd, weight, None, backward=bwd)
+    if not empty:
         y = F.pad(y, [c for crop in reversed(crops) for c in crop])  # negative pads crop
     if bias is not None:
         y = y + bias.view(1, -1, *([1] * n))

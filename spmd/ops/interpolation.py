@@ -11,9 +11,10 @@ taps are the ones torch's CPU kernel uses for a contiguous input.
 The output is partitioned first (as the input along a dim whose size is unchanged,
 balanced otherwise); each rank then fetches the global input range its output rows read
 (only taps with a non-zero weight count; where every rank reads only its own rows, as
-nearest x2 on aligned shards does, there is no exchange at all) and applies the taps with ``index_select`` and a weighted sum, one dim at a
-time. Autograd differentiates that (``index_select``'s backward is ``index_add``), and
-the fetch's backward sends halo gradients home.
+nearest x2 on aligned shards does, there is no exchange at all) and applies the taps
+with ``index_select`` and a weighted sum, one dim at a time. Backward is the transpose
+of those taps (``_apply_t``: the cotangent rows added, weighted, into the rows they came
+from), then the halo's part goes home; nothing of the input is kept, as on one device.
 
 Precision: the weighted sums run in a different order from ATen's fused kernels, so a
 float64 result agrees with ``F.interpolate`` to a few ulps, not bit for bit (the tests
@@ -32,7 +33,7 @@ that forward (torch's is not, there).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,15 @@ import torch
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ._window import fetch, input_layout, member_ranges, out_layout, out_sizes, with_layout
+from ._window import (
+    input_layout,
+    member_ranges,
+    out_layout,
+    out_sizes,
+    plan,
+    windowed,
+    with_layout,
+)
 
 __all__ = ["interpolate"]
 
@@ -266,15 +275,20 @@ def _apply(x: torch.Tensor, dim: int, idx: np.ndarray, w: np.ndarray | None) -> 
     ii = torch.as_tensor(idx, dtype=torch.long, device=x.device)
     if w is None:
         return x.index_select(dim, ii[0])
-    low = x.dtype in (torch.float16, torch.bfloat16)
-    xs = x.float() if low else x
-    wt = torch.as_tensor(w, dtype=xs.dtype, device=x.device)
+    xs, wts = _weighted(x, w, dim)
+    y = xs.index_select(dim, ii[0]) * wts[0]
+    for k in range(1, len(wts)):
+        y = y + xs.index_select(dim, ii[k]) * wts[k]
+    return y.to(x.dtype)
+
+
+def _weighted(x: torch.Tensor, w: np.ndarray, dim: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``x`` in the dtype the weighted sums run in (float32 for float16 and bfloat16), and
+    each tap's weights shaped to broadcast along ``dim``."""
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     view = [1] * x.ndim
     view[dim] = -1
-    y = xs.index_select(dim, ii[0]) * wt[0].view(view)
-    for k in range(1, ii.shape[0]):
-        y = y + xs.index_select(dim, ii[k]) * wt[k].view(view)
-    return y.to(x.dtype) if low else y
+    return xs, [t.view(view) for t in torch.as_tensor(w, dtype=xs.dtype, device=x.device)]
 
 
 @with_layout(_output_layout)
@@ -315,8 +329,8 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None,
         SpecError: a spec or layout that does not fit the mesh or the shard.
 
     Backward:
-        Autograd through the local taps (``index_select`` backs into ``index_add``);
-        the gradients of rows fetched from other ranks go home through the fetch's
+        The transpose of the local taps (nothing of ``x`` is kept for it); the
+        gradients of rows fetched from other ranks go home through the fetch's
         transpose, one all_to_all per split dim, and are added into their owners' shards.
 
     Ranks without data:
@@ -351,8 +365,9 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None,
     shrink = [d for d in todo if out_lay.shape[d[0]] < lay.shape[d[0]]]
     shrink.sort(key=lambda d: lay.sizes[d[0]] is not None)  # stable: unsplit dims first
     grow = [d for d in todo if out_lay.shape[d[0]] >= lay.shape[d[0]]]
-    y, local = x, {}
+    y = x
     for group in [[d] for d in shrink] + [grow]:
+        fetches, local = [], {}
         for dim, idx, w, _, ranges, in_shard in group:
             if lay.sizes[dim] is None:
                 local[dim] = (idx, w)
@@ -363,8 +378,37 @@ def interpolate(x: torch.Tensor, size: Any = None, scale_factor: Any = None,
             if in_shard:  # every rank reads only its own rows: no exchange at all
                 start = sum(lay.sizes[dim][:k])
             else:
-                y, start = fetch(y, rc, lay, dim, ranges, name=_WHAT), ranges[k][0]
+                fetches.append(plan(rc, lay, dim, ranges, name=_WHAT))
+                start = ranges[k][0]
             local[dim] = (idx[:, o0:o1] - start, w if w is None else w[:, o0:o1])
-        for dim, *_ in group:
-            y = _apply(y, dim, *local[dim])
+        if local:
+            y = windowed(y, fetches, partial(_apply_all, local), backward=partial(_apply_t, local),
+                         reads_input=False)
     return y.clone() if y is x else y
+
+
+def _apply_all(local: dict, x: torch.Tensor) -> torch.Tensor:
+    """The taps of every dim of ``local`` ({dim: (local idx, w)}), one dim after the other."""
+    for dim, (idx, w) in local.items():
+        x = _apply(x, dim, idx, w)
+    return x
+
+
+def _apply_t(local: dict, win: torch.Tensor, params: tuple, g: torch.Tensor,
+             needs: tuple) -> tuple[torch.Tensor]:
+    """The transpose of ``_apply_all`` (a backward for ``windowed``: the taps are linear,
+    so only the window's shape is read): each dim's cotangent rows are added, weighted,
+    into the input rows they came from, the last dim applied first."""
+    for dim, (idx, w) in reversed(local.items()):
+        ii = torch.as_tensor(idx, dtype=torch.long, device=g.device)
+        shape = list(g.shape)
+        shape[dim] = win.shape[dim]
+        if w is None:
+            g = g.new_zeros(shape).index_add_(dim, ii[0], g)
+            continue
+        gs, wts = _weighted(g, w, dim)
+        out = gs.new_zeros(shape)
+        for k, wt in enumerate(wts):
+            out.index_add_(dim, ii[k], gs * wt)
+        g = out.to(g.dtype)
+    return (g,)

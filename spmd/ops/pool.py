@@ -13,6 +13,10 @@ along them.
 
 ``return_indices=True`` gives global indices: what the single-device pool returns, the
 flat index into the global spatial dims.
+
+Memory: a max pool keeps the shard and the halo rows that arrived, not the padded window
+nor the indices; its backward rebuilds the window and runs the pool again under
+autograd. An average pool is linear: it keeps nothing, and its backward is ATen's.
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ import torch.nn.functional as F
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..transforms.halo import Fetch
 from ._window import (
     check_ndim,
-    fetch,
     input_layout,
     link,
     member_ranges,
@@ -35,6 +39,8 @@ from ._window import (
     ntuple,
     out_layout,
     out_sizes,
+    plan,
+    windowed,
     with_layout,
 )
 
@@ -109,16 +115,17 @@ def _pool_plan(layout: Layout, kernel: tuple[int, ...], stride: tuple[int, ...],
 # -- the local part ------------------------------------------------------------------------------
 
 def _window(x: torch.Tensor, rc, layout: Layout, ranges: dict, value: float,
-            what: str) -> tuple[torch.Tensor, list[int]]:
-    """This rank's input window (one fetch per split dim, and per unsplit dim that needs
-    padding or trimming) and the global start of the window along each spatial dim."""
-    starts = []
+            what: str) -> tuple[list[Fetch], list[int]]:
+    """The fetches of this rank's input window (one per split dim, and per unsplit dim
+    that needs padding or trimming) and the global start of the window along each
+    spatial dim."""
+    fetches, starts = [], []
     for dim in range(2, x.ndim):
         a, b = my_range(layout, rc.rank, dim, ranges[dim])
         if layout.sizes[dim] is not None or (a, b) != (0, layout.shape[dim]):
-            x = fetch(x, rc, layout, dim, ranges[dim], "constant", value, name=what)
+            fetches.append(plan(rc, layout, dim, ranges[dim], "constant", value, name=what))
         starts.append(a)
-    return x, starts
+    return fetches, starts
 
 
 def _ravel(coords: Sequence[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
@@ -137,8 +144,12 @@ def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
 
 
 def _empty(x: torch.Tensor, shape: Sequence[int], xf: torch.Tensor, return_indices: bool):
-    y = link(x.new_zeros(shape), xf)
-    return (y, torch.zeros(shape, dtype=torch.long, device=x.device)) if return_indices else y
+    return _zeros(link(x.new_zeros(shape), xf), return_indices)
+
+
+def _zeros(y: torch.Tensor, return_indices: bool):
+    """``y`` (zeros: no output rows here), with zero indices if asked for."""
+    return (y, torch.zeros(y.shape, dtype=torch.long, device=y.device)) if return_indices else y
 
 
 def _check_dtype(x: torch.Tensor, what: str) -> None:
@@ -157,28 +168,32 @@ def _max_pool(n: int, x: torch.Tensor, kernel_size: Any, stride: Any, padding: A
     k, s, p, d = _args(n, kernel_size, stride, padding, dilation, what)
     rc, lay = input_layout(x, mesh, spec, what)
     out_lay, ranges = _pool_plan(lay, k, s, p, d, bool(ceil_mode), what)
-    xf, starts = _window(x, rc, lay, ranges, _NEG_INF, what)
+    fetches, starts = _window(x, rc, lay, ranges, _NEG_INF, what)
     shape = out_lay.local_shape(rc.rank)
-    if 0 in shape:
-        return _empty(x, shape, xf, return_indices)
-    glob, win = lay.shape[2:], xf.shape[2:]
-    if all(a >= 0 for a in starts):  # no -inf before the data: the local pick is torch's
-        if not return_indices:
-            return _MAX[n](xf, k, s, 0, d)
-        y, li = _MAX[n](xf, k, s, 0, d, return_indices=True)
-        return y, _ravel([c + a for c, a in zip(_unravel(li, win), starts)], glob)
-    # A window whose real elements are all -inf: torch picks its first real element, the
-    # local pool the first one of the window, which may be padding. Pick as torch, and
-    # take the values by that pick so the gradient goes where torch sends it.
-    with torch.no_grad():
-        _, li = _MAX[n](xf, k, s, 0, d, return_indices=True)
-    coords = [c + a for c, a in zip(_unravel(li, win), starts)]
-    coords = [torch.where(c < 0, c + dd * torch.div(dd - 1 - c, dd, rounding_mode="floor"), c)
-              if a < 0 else c
-              for c, a, dd in zip(coords, starts, d)]
-    local = _ravel([c - a for c, a in zip(coords, starts)], win)
-    y = xf.flatten(2).gather(2, local.flatten(2)).view(shape)
-    return (y, _ravel(coords, glob)) if return_indices else y
+    glob = lay.shape[2:]
+
+    def pool(xf: torch.Tensor):
+        if 0 in shape:
+            return _zeros(xf.new_zeros(shape), return_indices)
+        win = xf.shape[2:]
+        if all(a >= 0 for a in starts):  # no -inf before the data: the local pick is torch's
+            if not return_indices:
+                return _MAX[n](xf, k, s, 0, d)
+            y, li = _MAX[n](xf, k, s, 0, d, return_indices=True)
+            return y, _ravel([c + a for c, a in zip(_unravel(li, win), starts)], glob)
+        # A window whose real elements are all -inf: torch picks its first real element,
+        # the local pool the first one of the window, which may be padding. Pick as
+        # torch, and take the values by that pick so the gradient goes where torch sends it.
+        with torch.no_grad():
+            _, li = _MAX[n](xf, k, s, 0, d, return_indices=True)
+        coords = [c + a for c, a in zip(_unravel(li, win), starts)]
+        coords = [torch.where(c < 0, c + dd * torch.div(dd - 1 - c, dd, rounding_mode="floor"), c)
+                  if a < 0 else c
+                  for c, a, dd in zip(coords, starts, d)]
+        local = _ravel([c - a for c, a in zip(coords, starts)], win)
+        y = xf.flatten(2).gather(2, local.flatten(2)).view(shape)
+        return (y, _ravel(coords, glob)) if return_indices else y
+    return windowed(x, fetches, pool)
 
 
 def _max_layout(n: int):
@@ -291,6 +306,18 @@ def _sum_pool(xf: torch.Tensor, n: int, k: tuple[int, ...], s: tuple[int, ...]) 
     return (F.avg_pool2d if n == 2 else F.avg_pool3d)(xf, k, s, 0, False, True, 1)
 
 
+def _sum_pool_t(g: torch.Tensor, win_shape: Sequence[int], n: int, k: tuple[int, ...],
+                s: tuple[int, ...]) -> torch.Tensor:
+    """The transpose of ``_sum_pool``: ATen's pooling backward, which reads only its
+    input's shape (so it gets a broadcast zero, not the window)."""
+    like = g.new_zeros(()).expand(win_shape)
+    if n == 1:
+        return torch.ops.aten.avg_pool2d_backward(g.unsqueeze(2), like.unsqueeze(2), (1, k[0]),
+                                                  (1, s[0]), (0, 0), False, True, 1).squeeze(2)
+    op = torch.ops.aten.avg_pool2d_backward if n == 2 else torch.ops.aten.avg_pool3d_backward
+    return op(g, like, k, s, (0,) * n, False, True, 1)
+
+
 def _avg_pool(n: int, x: torch.Tensor, kernel_size: Any, stride: Any, padding: Any,
               ceil_mode: bool, count_include_pad: bool, divisor_override: int | None,
               mesh: Mesh, spec: Any) -> torch.Tensor:
@@ -302,21 +329,25 @@ def _avg_pool(n: int, x: torch.Tensor, kernel_size: Any, stride: Any, padding: A
         raise RuntimeError(f"{what}: divisor must be not zero")
     rc, lay = input_layout(x, mesh, spec, what)
     out_lay, ranges = _pool_plan(lay, k, s, p, (1,) * n, bool(ceil_mode), what)
-    xf, _ = _window(x, rc, lay, ranges, 0.0, what)
+    fetches, _ = _window(x, rc, lay, ranges, 0.0, what)
     shape = out_lay.local_shape(rc.rank)
-    if 0 in shape:
-        return _empty(x, shape, xf, False)
-    sums = _sum_pool(xf, n, k, s)
-    if divisor_override is not None:
-        return sums / divisor_override
-    offsets = out_lay.offsets(rc.rank)
-    div = None
-    for i in range(n):
-        v = _divisors(lay.shape[2 + i], k[i], s[i], p[i], offsets[2 + i], shape[2 + i],
-                      bool(count_include_pad))
-        v = torch.tensor(v, dtype=x.dtype, device=x.device).view(-1, *[1] * (n - 1 - i))
-        div = v if div is None else div * v
-    return sums / div
+    div = divisor_override
+    if div is None and 0 not in shape:
+        offsets = out_lay.offsets(rc.rank)
+        for i in range(n):
+            v = _divisors(lay.shape[2 + i], k[i], s[i], p[i], offsets[2 + i], shape[2 + i],
+                          bool(count_include_pad))
+            v = torch.tensor(v, dtype=x.dtype, device=x.device).view(-1, *[1] * (n - 1 - i))
+            div = v if div is None else div * v
+
+    def pool(xf: torch.Tensor) -> torch.Tensor:
+        if 0 in shape:
+            return xf.new_zeros(shape)
+        return _sum_pool(xf, n, k, s) / div
+
+    def pool_t(win: torch.Tensor, params: tuple, g: torch.Tensor, needs: tuple) -> tuple:
+        return (_sum_pool_t(g / div, win.shape, n, k, s),)  # linear: x is not read
+    return windowed(x, fetches, pool, backward=pool_t, reads_input=False)
 
 
 def _avg_layout(n: int):

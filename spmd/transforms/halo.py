@@ -7,11 +7,20 @@ circular) or the constant. So halos wider than the neighbour's shard come from r
 further away, zero-size shards simply hold nothing, and one exchange moves exactly the
 halo elements. Backward is the transpose: cotangents of the halo go back to their
 owners and are added into their edges.
+
+The pieces are public to the windowed ops (``spmd/ops/_window.py``): ``exchange`` (the
+communication: what arrives), ``assemble`` (the window from the shard and what arrived,
+local, so a backward can rebuild it instead of keeping it), ``transpose`` (the backward,
+which adds into a buffer of the caller's in place), ``frame`` (the halo alone, for ops
+that are linear in their input). ``fetch_window`` and ``unfetch`` are the fetch and its
+transpose as differentiable functions, each the other's backward: double backward is
+exact.
 """
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -108,8 +117,9 @@ def halo_pad(x: torch.Tensor, mesh: Mesh, axis: str | tuple[str, ...] | None | S
                         f"{_axes_str(axes)} (sizes {list(all_sizes)}): {why}")
     if lo == hi == 0:
         return x
-    plan = _plan(all_sizes, halo_ranges(all_sizes, lo, hi), mode)
-    return _fetch(anchor(x), rc, axes, me, dim, plan, float(value), "halo_pad")
+    f = Fetch(rc, axes, me, dim, _plan(all_sizes, halo_ranges(all_sizes, lo, hi), mode),
+              float(value), "halo_pad")
+    return fetch_window(anchor(x), f)
 
 
 def fetch_range(x: torch.Tensor, rc: RankContext, axes: tuple[str, ...] | None, dim: int,
@@ -125,9 +135,8 @@ def fetch_range(x: torch.Tensor, rc: RankContext, axes: tuple[str, ...] | None, 
     exactly the elements a rank lacks (``name`` in ``comm_stats``); backward is its
     transpose.
     """
-    me = 0 if axes is None else rc.mesh.group(axes, rc.rank).index
-    plan = _plan(tuple(sizes), tuple(ranges), mode)
-    return _fetch(anchor(x), rc, axes, me, dim, plan, float(value), name)
+    return fetch_window(anchor(x), plan_fetch(rc, axes, dim, sizes, ranges, mode=mode,
+                                              value=value, name=name))
 
 
 def halo_trim(x: torch.Tensor, dim: int, width: int | tuple[int, int]) -> torch.Tensor:
@@ -259,18 +268,139 @@ def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[in
     return tuple(int(t.item()) for t in got)
 
 
-# -- the exchange and its transpose -------------------------------------------------------------
+# -- the exchange, the local assembly, and their transpose -------------------------------------
 
-def _exchange(chunks: list[torch.Tensor], rc: RankContext, axes, name: str,
-              counts: list[int], dim: int) -> list[torch.Tensor]:
-    """All-to-all of the planned chunks; ``counts[s]``: how many elements along ``dim``
+@dataclass(frozen=True)
+class Fetch:
+    """One planned fetch along one dim: everything but the tensor (see ``plan_fetch``).
+    A plain class, not a pytree: custom_vjp keeps it whole among the residuals."""
+    rc: RankContext
+    axes: tuple[str, ...] | None
+    me: int
+    dim: int
+    plan: tuple
+    value: float
+    name: str
+
+
+def plan_fetch(rc: RankContext, axes: tuple[str, ...] | None, dim: int,
+               sizes: tuple[int, ...], ranges: tuple[tuple[int, int], ...], *,
+               mode: str = "constant", value: float = 0.0, name: str = "halo_pad") -> Fetch:
+    """The fetch of ``fetch_range`` as data: ``exchange`` runs its communication,
+    ``assemble`` builds the window from the shard and what arrived (no communication,
+    so a backward can rebuild it), ``transpose`` is its backward."""
+    me = 0 if axes is None else rc.mesh.group(axes, rc.rank).index
+    return Fetch(rc, axes, me, dim, _plan(tuple(sizes), tuple(ranges), mode), float(value), name)
+
+
+def exchange(x: torch.Tensor, f: Fetch) -> list[torch.Tensor]:
+    """Send every rank the elements of ``x`` it lacks; return what arrived from each
+    member (empty where nothing does): exactly the halo, nothing of the own shard."""
+    sizes, _, _, need, _ = f.plan
+    n = len(sizes)
+    # What each rank r needs from me, gathered in the order r placed it.
+    chunks = [(_index(x, f.dim, need[r][f.me][1]) if f.me in need[r]
+               else _empty_like_along(x, f.dim)) for r in range(n)]
+    counts = [len(need[f.me][s][0]) if s in need[f.me] else 0 for s in range(n)]
+    return _exchange(chunks, f, counts)
+
+
+def assemble(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch) -> torch.Tensor:
+    """This rank's window from its shard ``x`` and the chunks ``exchange`` received:
+    local only. A window inside the shard is a view of it."""
+    _, ranges, own, need, const = f.plan
+    a, b = ranges[f.me]
+    pos, loc, k = own[f.me]
+    if is_slice(f):
+        return x.narrow(f.dim, loc, k)
+    shape = list(x.shape)
+    shape[f.dim] = b - a
+    out = x.new_full(shape, f.value) if const[f.me] else x.new_empty(shape)
+    out.narrow(f.dim, pos, k).copy_(x.narrow(f.dim, loc, k))
+    for s, (p, _) in need[f.me].items():
+        out.index_copy_(f.dim, torch.tensor(p, dtype=torch.long, device=x.device), recv[s])
+    return out
+
+
+def is_slice(f: Fetch) -> bool:
+    """Whether this rank's window is all from its own shard (a trim or no halo at all)."""
+    _, ranges, own, _, _ = f.plan
+    a, b = ranges[f.me]
+    return own[f.me][2] == b - a
+
+
+def frame(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch, rows: tuple[int, int],
+          keep: tuple[int, int]) -> torch.Tensor | None:
+    """Window positions ``rows = (lo, hi)`` along the fetch's dim holding only what the
+    halo puts at positions ``keep = (k0, k1)`` (outside the shard), zeros elsewhere;
+    None if that is all zeros. A linear op's window is the shard, zero-padded, plus such
+    slabs: each slab's part can be computed apart, with no padded copy of the shard."""
+    _, _, _, need, const = f.plan
+    lo, hi = max(rows[0], keep[0]), min(rows[1], keep[1])
+    pick = lambda ps: [(i, p - rows[0]) for i, p in enumerate(ps) if lo <= p < hi]
+    fill = [q for _, q in pick(const[f.me])] if f.value != 0 else []
+    got = {s: pick(p) for s, (p, _) in need[f.me].items()}
+    if not fill and not any(got.values()):
+        return None
+    shape = list(x.shape)
+    shape[f.dim] = rows[1] - rows[0]
+    out = x.new_zeros(shape)
+    if fill:
+        out.index_fill_(f.dim, torch.tensor(fill, dtype=torch.long, device=x.device), f.value)
+    for s, sel in got.items():
+        if sel:
+            at = torch.tensor([q for _, q in sel], dtype=torch.long, device=x.device)
+            out.index_copy_(f.dim, at, _index(recv[s], f.dim, tuple(i for i, _ in sel)))
+    return out
+
+
+def transpose(g: torch.Tensor, f: Fetch, *, owned: bool,
+              own_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """The fetch's backward: the window's cotangent ``g`` -> the shard's. Cotangents of
+    the halo go back to their owners, who add them into their shards.
+
+    ``owned``: ``g`` is a buffer the caller made and will not read again, so the shard's
+    part of it becomes the result in place (a view), with no shard-sized copy.
+    ``own_grad``: the shard's cotangent, computed apart (a buffer of the caller's, for a
+    window that holds the whole shard); ``g`` then holds the window's other positions
+    only, in order, and the halo's cotangents are added into ``own_grad``."""
+    sizes, _, own, need, _ = f.plan
+    n, me, dim = len(sizes), f.me, f.dim
+    pos, loc, k = own[me]
+    at = (lambda ps: ps) if own_grad is None else (
+        lambda ps: tuple(p if p < pos else p - k for p in ps))  # the shard's block cut out
+    back = [(_index(g, dim, at(need[me][s][0])) if s in need[me] else _empty_like_along(g, dim))
+            for s in range(n)]  # copies, taken before anything is added into g
+    counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
+    got = _exchange(back, f, counts)
+    adds = [r for r in range(n) if me in need[r]]
+    if own_grad is not None:
+        gx = own_grad
+    elif k == sizes[me]:
+        gx = g.narrow(dim, pos, k)
+        if adds and not owned:
+            gx = gx.clone()
+    else:
+        shape = list(g.shape)
+        shape[dim] = sizes[me]
+        gx = g.new_zeros(shape)
+        gx.narrow(dim, loc, k).copy_(g.narrow(dim, pos, k))
+    for r in adds:
+        idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
+        gx.index_add_(dim, idx, got[r])
+    return gx
+
+
+def _exchange(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> list[torch.Tensor]:
+    """All-to-all of the planned chunks; ``counts[s]``: how many elements along the dim
     arrive from member s (known from the plan, so no shape exchange is needed)."""
-    if axes is None:  # an unsplit dim: this rank holds it all
+    if f.axes is None:  # an unsplit dim: this rank holds it all
         return [c.clone() for c in chunks]
     like = chunks[0].shape
-    shapes = [tuple(k if d == dim else v for d, v in enumerate(like)) for k in counts]
-    group = rc.mesh.group(axes, rc.rank)
-    return comm_of(rc.mesh).all_to_all(chunks, group, name=name, shapes=shapes)
+    shapes = [tuple(k if d == f.dim else v for d, v in enumerate(like)) for k in counts]
+    with f.rc:  # a backward may run it on another thread
+        group = f.rc.mesh.group(f.axes, f.rc.rank)
+        return comm_of(f.rc.mesh).all_to_all(chunks, group, name=f.name, shapes=shapes)
 
 
 def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
@@ -283,55 +413,40 @@ def _empty_like_along(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.new_empty(shape)
 
 
+# -- as differentiable functions: each one's backward is the other -----------------------------
+
 @custom_vjp
-def _fetch(x, rc, axes, me, dim, plan, value, name):
-    sizes, ranges, own, need, const = plan
-    n = len(sizes)
-    # What each rank r needs from me, gathered in the order r placed it.
-    chunks = [(_index(x, dim, need[r][me][1]) if me in need[r] else _empty_like_along(x, dim))
-              for r in range(n)]
-    counts = [len(need[me][s][0]) if s in need[me] else 0 for s in range(n)]
-    recv = _exchange(chunks, rc, axes, name, counts, dim)
-    a, b = ranges[me]
-    pos, loc, k = own[me]
-    if k == b - a:  # all from the own shard: a slice (a trim or no halo at all)
-        return x.narrow(dim, loc, k).clone()
-    shape = list(x.shape)
-    shape[dim] = b - a
-    out = x.new_full(shape, value) if const[me] else x.new_empty(shape)
-    out.narrow(dim, pos, k).copy_(x.narrow(dim, loc, k))
-    for s, (p, _) in need[me].items():
-        out.index_copy_(dim, torch.tensor(p, dtype=torch.long, device=x.device), recv[s])
-    return out
+def fetch_window(x: torch.Tensor, f: Fetch) -> torch.Tensor:
+    """``assemble(x, exchange(x, f), f)``, differentiable (a copy: never a view of
+    ``x``); its backward is ``unfetch``, so double backward is exact too."""
+    out = assemble(x, exchange(x, f), f)
+    return out.clone() if is_slice(f) else out
 
 
-def _fetch_fwd(x, rc, axes, me, dim, plan, value, name):
-    return _fetch(x, rc, axes, me, dim, plan, value, name), (rc, axes, me, dim, plan, name)
+def _fetch_fwd(x, f):
+    return fetch_window(x, f), f
 
 
-def _fetch_bwd(res, g):
-    """The transpose: cotangents go back to their owners, added into their shards."""
-    rc, axes, me, dim, plan, name = res
-    sizes, _, own, need, _ = plan
-    n = len(sizes)
-    back = [(_index(g, dim, need[me][s][0]) if s in need[me] else _empty_like_along(g, dim))
-            for s in range(n)]
-    counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
-    with rc:
-        got = _exchange(back, rc, axes, name, counts, dim)
-    pos, loc, k = own[me]
-    if k == sizes[me]:
-        gx = g.narrow(dim, pos, k).clone()
-    else:
-        shape = list(g.shape)
-        shape[dim] = sizes[me]
-        gx = g.new_zeros(shape)
-        gx.narrow(dim, loc, k).copy_(g.narrow(dim, pos, k))
-    for r in range(n):
-        if me in need[r]:
-            idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
-            gx.index_add_(dim, idx, got[r])
-    return gx, None, None, None, None, None, None, None
+def _fetch_bwd(f, g):
+    return unfetch(g, f), None
 
 
-_fetch.defvjp(_fetch_fwd, _fetch_bwd)
+fetch_window.defvjp(_fetch_fwd, _fetch_bwd)
+
+
+@custom_vjp
+def unfetch(g: torch.Tensor, f: Fetch) -> torch.Tensor:
+    """``transpose`` of an incoming cotangent (copied where it would be changed),
+    differentiable: its backward is ``fetch_window``."""
+    return transpose(g, f, owned=False)
+
+
+def _unfetch_fwd(g, f):
+    return unfetch(g, f), f
+
+
+def _unfetch_bwd(f, gg):
+    return fetch_window(gg, f), None
+
+
+unfetch.defvjp(_unfetch_fwd, _unfetch_bwd)
