@@ -28,11 +28,12 @@ def _halo_allowance(n: int, c: int, w: int, elem: int) -> int:
     return sum(2 * n * ch * width * elem for ch, width in rows)
 
 
+@pytest.mark.parametrize("norm", [None, "group"])  # GroupNorm: convert's spmd.ops.group_norm
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_converted_unet_saves_one_device_bytes_over_p_plus_halos(ranks):
+def test_converted_unet_saves_one_device_bytes_over_p_plus_halos(ranks, norm):
     n, h, w = 2, 64, 24
     torch.manual_seed(0)
-    model = TinyUNet(c=3).double()
+    model = TinyUNet(c=3, norm=norm).double()
     x = torch.randn(n, 1, h, w, dtype=torch.float64, requires_grad=True)
     params = list(model.parameters())
     with SavedBytes([*params, x]) as one:
