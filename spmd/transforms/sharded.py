@@ -251,6 +251,15 @@ class Sharded:
             t.requires_grad_(flag)
         return self
 
+    def __reduce__(self):
+        """copy.deepcopy and pickle: the shards, layout and mesh (a threads mesh is not
+        copied; a torch mesh's process groups cannot leave their process)."""
+        if self.mesh.backend == "torch":
+            raise TypeError(f"{self!r} lives on {self.mesh!r}, whose process groups cannot "
+                            f"be pickled: send its .local and .layout instead, or gather "
+                            f"it first (spmd.gather(s, mesh, dst=...))")
+        return (Sharded, (dict(self._shards), self.layout, self.mesh))
+
     @property
     def _first(self) -> torch.Tensor:
         return next(iter(self._shards.values()))

@@ -160,3 +160,27 @@ def test_gather_and_redistribute_in_per_rank_code(backend):
     assert all(g[1] and g[2] for g in got)
     assert [g[3] for g in got] == ["Tensor", "Placeholder", "Placeholder"]
     assert all(g[4] == 0 for g in got)  # the layout is known: no size exchange
+
+
+def _returns_a_sharded(mesh):
+    return Sharded.from_local(torch.full((mesh.rank + 1,), float(mesh.rank)), mesh, P("sp"))
+
+
+def test_copies_pickles_and_comes_back_from_a_threads_launch():
+    import copy
+    import pickle
+    mesh = spmd.Mesh((2,), ("sp",))
+    s = Sharded.from_global(_field((4, 2)), mesh, P("sp"))
+    for c in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):
+        assert c.layout == s.layout and all(torch.equal(c.shards[r], s.shards[r]) for r in (0, 1))
+    assert copy.deepcopy(s).mesh is mesh  # a Mesh is not copied
+    got = spmd.launch(_returns_a_sharded, (2,), ("sp",), backend="threads")
+    assert [g.local.tolist() for g in got] == [[0.0], [1.0, 1.0]]
+    assert all(g.layout.sizes[0] == (1, 2) for g in got)
+
+
+@pytest.mark.gloo
+def test_a_sharded_on_processes_says_how_to_send_it():
+    with pytest.raises(TypeError, match=r"cannot be pickled: .*whose process groups cannot be "
+                                        r"pickled: send its .local and .layout instead"):
+        spmd.launch(_returns_a_sharded, (2,), ("sp",), backend="gloo")
