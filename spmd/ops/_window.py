@@ -14,6 +14,7 @@ gradient into the window's gradient in place.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
@@ -160,7 +161,8 @@ Backward = Callable[[torch.Tensor, tuple, torch.Tensor, tuple], tuple]
 
 
 def windowed(x: torch.Tensor, fetches: Sequence[Fetch], forward: Forward, *params: Any,
-             backward: Backward | None = None, reads_input: bool = True) -> Any:
+             backward: Backward | None = None, reads_input: bool = True,
+             saves: bool = False) -> Any:
     """``forward(window, *params)``, where ``window`` is ``x`` fetched along each of
     ``fetches`` in turn (a later fetch reads the halos of the earlier ones: corners).
 
@@ -180,6 +182,10 @@ def windowed(x: torch.Tensor, fetches: Sequence[Fetch], forward: Forward, *param
             default: the forward recomputed under autograd.
         reads_input: whether the backward reads the window's values. If not, nothing of
             ``x`` is kept and ``backward`` gets a meta tensor of the window's shape.
+        saves: ``forward`` returns ``(out, saved)``: ``saved`` (say, the argmax of a max
+            pool) is kept, and ``backward(window, params, g, needs, saved)`` gets it and
+            a meta window, so the window is neither rebuilt nor recomputed; ``x`` is
+            kept (if ``reads_input``) only for a differentiable backward.
 
     Backward with grad mode on (``create_graph=True``, ``torch.func``) recomputes the
     forward through the differentiable fetch and differentiates that, so higher
@@ -187,7 +193,22 @@ def windowed(x: torch.Tensor, fetches: Sequence[Fetch], forward: Forward, *param
     """
     if fetches:
         x = anchor(x)  # every rank must run the fetches' backward: an autograd node each
-    return _windowed(x, tuple(fetches), forward, backward, reads_input, *params)
+    op = _Op(forward, backward, reads_input, saves)
+    return _windowed(x, tuple(fetches), op, *params)
+
+
+@dataclass(frozen=True)
+class _Op:
+    """What ``windowed`` runs: see its arguments."""
+    full: Forward
+    backward: Backward | None
+    reads_input: bool
+    saves: bool
+
+    def forward(self, *args: Any) -> Any:
+        """The op's output alone (what it saves for backward left out)."""
+        out = self.full(*args)
+        return out[0] if self.saves else out
 
 
 def _window_of(x: torch.Tensor, fetches: Sequence[Fetch],
@@ -202,34 +223,37 @@ def _window_of(x: torch.Tensor, fetches: Sequence[Fetch],
     return x, got
 
 
-def _windowed_primal(x, fetches, forward, backward, reads_input, *params):
-    return forward(_window_of(x, fetches)[0], *params)
+def _windowed_primal(x, fetches, op, *params):
+    return op.forward(_window_of(x, fetches)[0], *params)
 
 
-_windowed = custom_vjp(_windowed_primal, nondiff_argnums=(1, 2, 3, 4))
+_windowed = custom_vjp(_windowed_primal, nondiff_argnums=(1, 2))
 
 
-def _windowed_fwd(x, fetches, forward, backward, reads_input, *params):
+def _windowed_fwd(x, fetches, op, *params):
     win, recvs = _window_of(x, fetches)
-    out = forward(win, *params)
+    out, saved = op.full(win, *params) if op.saves else (op.full(win, *params), None)
     needs = tuple(isinstance(p, torch.Tensor) and p.requires_grad for p in params)
-    keep = (x, recvs) if reads_input else (None, None)
+    keep = (x, recvs) if op.reads_input else (None, None)
     meta = (tuple(x.shape), tuple(win.shape), needs)
-    return out, (*keep, params, meta)
+    return out, (*keep, params, saved, meta)
 
 
-def _windowed_bwd(fetches, forward, backward, reads_input, res, g):
-    x, recvs, params, (x_shape, win_shape, needs) = res
+def _windowed_bwd(fetches, op, res, g):
+    x, recvs, params, saved, (x_shape, win_shape, needs) = res
     g = g[0] if isinstance(g, tuple) else g
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
-        return vjp_through(x, x_shape, fetches, forward, params, needs, g)
+        return vjp_through(x, x_shape, fetches, op.forward, params, needs, g)
     if g.numel() == 0:  # no output here: zero gradients (this rank still sends halos home)
         gwin = g.new_zeros(win_shape)
         gp = [torch.zeros_like(p) if n else None for p, n in zip(params, needs)]
+    elif op.saves:
+        gwin, *gp = op.backward(torch.empty(win_shape, dtype=g.dtype, device="meta"), params,
+                                g, needs, saved)
     else:
-        win = (_window_of(x, fetches, recvs)[0] if reads_input
+        win = (_window_of(x, fetches, recvs)[0] if op.reads_input
                else torch.empty(win_shape, dtype=g.dtype, device="meta"))
-        gwin, *gp = (backward or partial(_recompute, forward))(win, params, g, needs)
+        gwin, *gp = (op.backward or partial(_recompute, op.forward))(win, params, g, needs)
         del win  # the rebuilt window goes before the halo exchange
     # A cotangent the backward made is changed in place; one aliasing g is not ours.
     owned = gwin.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()

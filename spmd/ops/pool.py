@@ -173,14 +173,15 @@ def _max_pool(n: int, x: torch.Tensor, kernel_size: Any, stride: Any, padding: A
     glob = lay.shape[2:]
 
     def pool(xf: torch.Tensor):
+        """(the output, the window-local pick of every output: what backward needs)."""
         if 0 in shape:
-            return _zeros(xf.new_zeros(shape), return_indices)
+            return _zeros(xf.new_zeros(shape), return_indices), None
         win = xf.shape[2:]
         if all(a >= 0 for a in starts):  # no -inf before the data: the local pick is torch's
-            if not return_indices:
-                return _MAX[n](xf, k, s, 0, d)
             y, li = _MAX[n](xf, k, s, 0, d, return_indices=True)
-            return y, _ravel([c + a for c, a in zip(_unravel(li, win), starts)], glob)
+            if not return_indices:
+                return y, li
+            return (y, _ravel([c + a for c, a in zip(_unravel(li, win), starts)], glob)), li
         # A window whose real elements are all -inf: torch picks its first real element,
         # the local pool the first one of the window, which may be padding. Pick as
         # torch, and take the values by that pick so the gradient goes where torch sends it.
@@ -192,8 +193,17 @@ def _max_pool(n: int, x: torch.Tensor, kernel_size: Any, stride: Any, padding: A
                   for c, a, dd in zip(coords, starts, d)]
         local = _ravel([c - a for c, a in zip(coords, starts)], win)
         y = xf.flatten(2).gather(2, local.flatten(2)).view(shape)
-        return (y, _ravel(coords, glob)) if return_indices else y
-    return windowed(x, fetches, pool)
+        return ((y, _ravel(coords, glob)) if return_indices else y), local
+
+    def pool_t(win: torch.Tensor, params: tuple, g: torch.Tensor, needs: tuple,
+               pick: torch.Tensor) -> tuple:
+        """Each output's cotangent added at its pick, as torch's max-pool backward."""
+        gw = g.new_zeros(win.shape)
+        gw.flatten(2).scatter_add_(2, pick.flatten(2), g.flatten(2))
+        return (gw,)
+    # The picks, not the window: no forward recomputed in backward (x is kept only for
+    # a differentiable backward, which recomputes).
+    return windowed(x, fetches, pool, backward=pool_t, saves=True)
 
 
 def _max_layout(n: int):
