@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 import spmd
-from spmd import demo
-from spmd import Layout, P, Sharded
+from spmd import Layout, P, Sharded, demo
 
 SPEC = P(None, None, "sp")  # (batch, channel, rows, cols): rows split over "sp"
 BLOBS = ((0.3, 0.4, 0.05, 1.0), (0.7, 0.6, 0.08, -0.7), (0.5, 0.2, 0.04, 0.5))
@@ -46,7 +45,8 @@ def blobs(rows: range, cols: int, n_rows: int, t: float) -> np.ndarray:
     return out
 
 
-def write_data(mesh: spmd.Mesh, folder: str, rows: int, cols: int) -> dict[str, Layout]:
+def write_data(mesh: spmd.Mesh, folder: str, rows: int,
+               cols: int) -> dict[str, tuple[str, Layout]]:
     """Inputs (u, kappa) and targets u(t + DT) as .npy files, each rank writing its rows."""
     lays = {"x": Layout((1, 2, rows, cols), SPEC, mesh), "t": Layout((1, 1, rows, cols), SPEC, mesh)}
     paths = {k: os.path.join(folder, f"{k}.npy") for k in lays}
@@ -64,10 +64,16 @@ def write_data(mesh: spmd.Mesh, folder: str, rows: int, cols: int) -> dict[str, 
     return {k: (paths[k], lay) for k, lay in lays.items()}
 
 
+def reader(path: str):
+    """A loader for ``Sharded.load``: the block of the .npy file at ``path`` that the
+    slices name (a memmap: only that block is read)."""
+    field = np.load(path, mmap_mode="r")
+    return lambda sl: field[sl]
+
+
 def train(mesh: spmd.Mesh, folder: str, rows: int, cols: int, steps: int, check: bool):
     data = write_data(mesh, folder, rows, cols)
-    x, t = (Sharded.load(lambda sl, f=np.load(p, mmap_mode="r"): f[sl], mesh, lay)
-            for p, lay in data.values())
+    x, t = (Sharded.load(reader(p), mesh, lay) for p, lay in data.values())
     model = demo.make_model(hidden=8, seed=0)
     history = demo.train_sharded(model, mesh, (x, t), steps=steps, lr=2e-3)
     out = {"rank": mesh.rank, "block": tuple(x.local.shape), "losses": history.losses}

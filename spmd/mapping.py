@@ -214,7 +214,8 @@ class _ShardMap:
             if not grad_on:  # rank threads start with grad mode on
                 with torch.no_grad():
                     return self.f(*args_local), local_in, []
-            seq0[rank] = _next_node_number()
+            if per_rank:  # the body's nodes are numbered from here (see _keep_graph)
+                seq0[rank] = _next_node_number()
             with collect_anchors() as anchors:
                 out = self.f(*args_local)
             return out, local_in, anchors

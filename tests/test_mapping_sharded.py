@@ -214,31 +214,27 @@ def _load(mesh, files):
     return tuple(Sharded.load(BlockLoader(p, lay), mesh, lay) for (p, _), lay in zip(files, lays))
 
 
+def _model(which):
+    """The model both runs start from: the U-Net of the training tests or the demo CNN."""
+    if which == "unet":
+        from nn.test_unet import _model
+        return _model()
+    return demo.make_model(hidden=4, dtype=F64)
+
+
 def _train_on_blocks(mesh, files, which):
     x, t = _load(mesh, files)
-    model = _unet() if which == "unet" else demo.make_model(hidden=4, dtype=F64)
-    return demo.train_sharded(model, mesh, (x, t), steps=3, lr=0.05,
+    return demo.train_sharded(_model(which), mesh, (x, t), steps=3, lr=0.05,
                               optimizer=torch.optim.SGD)
-
-
-def _unet():
-    from nn.test_unet import _model
-    return _model()
-
-
-def _heat(shape):
-    x, t = demo.heat_data(shape[0], shape[2], shape[3], dtype=F64)
-    return x, t
 
 
 def _reference(which, shape):
     if which == "unet":
         from nn.test_unet import _data
         x, t = _data(shape)
-        model = _unet()
     else:
-        x, t = _heat(shape)
-        model = demo.make_model(hidden=4, dtype=F64)
+        x, t = demo.heat_data(shape[0], shape[2], shape[3], dtype=F64)
+    model = _model(which)
     return x, t, demo.train_single(model, (x, t), steps=3, lr=0.05, optimizer=torch.optim.SGD)
 
 

@@ -93,7 +93,7 @@ def _adaptive(n: int, x: torch.Tensor, output_size: Any, is_max: bool, return_in
     out_lay, ranges = _adaptive_plan(lay, out_size, is_max, what)
     shape = out_lay.local_shape(rc.rank)
     if 0 in out_lay.shape:  # nothing to compute anywhere: no rank fetches
-        return _empty(x, shape, x, return_indices)
+        return _empty(x, shape, return_indices)
     fetches, starts = _window(x, rc, lay, ranges, _NEG_INF if is_max else 0.0, what)
     if 0 in shape:
         return windowed(x, fetches, lambda xf: _zeros(xf.new_zeros(shape), return_indices))

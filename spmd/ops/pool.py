@@ -143,8 +143,9 @@ def _unravel(flat: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
     return [flat] + coords[::-1]
 
 
-def _empty(x: torch.Tensor, shape: Sequence[int], xf: torch.Tensor, return_indices: bool):
-    return _zeros(link(x.new_zeros(shape), xf), return_indices)
+def _empty(x: torch.Tensor, shape: Sequence[int], return_indices: bool):
+    """Zeros of the output ``shape`` that still lead back to ``x`` (``link``)."""
+    return _zeros(link(x.new_zeros(shape), x), return_indices)
 
 
 def _zeros(y: torch.Tensor, return_indices: bool):
