@@ -24,12 +24,16 @@ F64 = torch.float64
 
 @st.composite
 def cases(draw):
-    """A 1-d or 2-d mesh, a 2-d tensor, a spec over some of its axes, uneven sizes."""
+    """A 1-d or 2-d mesh, a 2-d tensor, a spec over some of its axes (the others
+    replicate) or one dim over the product of both, uneven sizes (zeros included)."""
     mesh_shape = draw(st.sampled_from([(1,), (2,), (3,), (4,), (2, 2), (1, 3), (3, 2)]))
     names = ("a", "b")[:len(mesh_shape)]
     rows, cols = draw(st.integers(0, 9)), draw(st.integers(1, 5))
-    entries = draw(st.permutations([*names, None, None][:max(2, len(names))]))
-    spec = P(*entries[:2])
+    if len(names) == 2 and draw(st.booleans()):
+        entries = draw(st.permutations([names, None]))
+    else:
+        entries = draw(st.permutations([*names, None, None]))[:2]
+    spec = P(*entries)
     mesh = spmd.Mesh(mesh_shape, names)
     probe = Layout((rows, cols), spec, mesh)
     sizes = {}
@@ -70,16 +74,23 @@ def test_sharded_path_equals_global_path_values_and_gradients(case):
                  lay, mesh)
     fs = spmd.shard_map(_body(ws, axes), mesh, lay, (lay, P()))
     ys, ss = fs(xs)
-    assert isinstance(ys, Sharded) and ys.layout == lay and not isinstance(ss, Sharded)
-    # The shards are copies here, views there: sums may round differently by an ulp.
-    torch.testing.assert_close(spmd.gather(ys.detach(), mesh), y.detach(), rtol=1e-13, atol=1e-13)
+    assert not isinstance(ss, Sharded)
+    if not lay.split_dims:  # an output that splits no dim stays a global tensor
+        assert not isinstance(ys, Sharded)
+        torch.testing.assert_close(ys.detach(), y.detach(), rtol=1e-13, atol=1e-13)
+        ((ys * cot).sum() + ss).backward()
+    else:
+        assert isinstance(ys, Sharded) and ys.layout == lay
+        # The shards are copies here, views there: sums may round apart by an ulp.
+        torch.testing.assert_close(spmd.gather(ys.detach(), mesh), y.detach(), rtol=1e-13,
+                                   atol=1e-13)
+        # Per-rank cotangents: a replicated output's copies each carry a part (here: the
+        # global cotangent on the lowest replica, zero on the others), as in per-rank code.
+        owners = lay.owners()
+        parts = [(ys.shards[r] * (cot[lay.slices(r)] if owners[lay.shard_key(r)] == r
+                                  else 0)).sum() for r in range(mesh.size)]
+        (sum(parts) + ss).backward()
     torch.testing.assert_close(ss, s.detach(), rtol=1e-13, atol=1e-13)
-    # Per-rank cotangents: a replicated output's copies each carry a part (here: the
-    # global cotangent on the lowest replica, zero on the others), as in per-rank code.
-    owners = lay.owners()
-    parts = [(ys.shards[r] * (cot[lay.slices(r)] if owners[lay.shard_key(r)] == r else 0)).sum()
-             for r in range(mesh.size)]
-    (sum(parts) + ss).backward()
     torch.testing.assert_close(ws.grad, wg.grad, rtol=1e-12, atol=1e-12)
     # Each shard's gradient is its rank's; over replicas they add up to the global one.
     got = torch.zeros_like(x)
