@@ -29,6 +29,8 @@ The layers, each importing only the ones listed before it:
     mapping.py    shard_map: a per-shard function as one differentiable global call
     ops/, nn/     domain-parallel layers (convolutions, pooling, ...) and nn.convert
     parallel/     GradSync: bucketed, overlapped gradient sync of replicated parameters
+    checkpoint/   save and load a training state across meshes (torch's DCP format);
+                  to_dtensor / from_dtensor
     run/          launch: one function on every rank, as threads or gloo processes
     testing/      prove your own ops: assert_matches_single_device, check_adjoint, on_mesh
     viz/, demo/   visualize a layout; the heat-diffusion demo (python -m spmd demo)
@@ -70,6 +72,18 @@ from .viz import visualize
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # Checkpoints import torch.distributed.checkpoint and DTensor (0.8 s): only on use.
+    if name == "checkpoint":
+        import importlib
+        return importlib.import_module(".checkpoint", __name__)
+    if name in ("to_dtensor", "from_dtensor"):
+        from .checkpoint import dtensor
+        return getattr(dtensor, name)
+    raise AttributeError(f"module 'spmd' has no attribute {name!r}")
+
+
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder", "Sharded",
     "shard_map", "launch", "visualize", "custom_vjp", "comm_stats", "CommStats",
@@ -77,4 +91,5 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel",
+    "checkpoint", "to_dtensor", "from_dtensor",
 ]

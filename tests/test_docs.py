@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 
 import spmd
+import spmd.checkpoint
 import spmd.nn
 import spmd.ops
 import spmd.parallel
 import spmd.testing
 
-PACKAGES = [spmd, spmd.ops, spmd.nn, spmd.parallel, spmd.testing, spmd.testing.strategies]
+PACKAGES = [spmd, spmd.ops, spmd.nn, spmd.parallel, spmd.checkpoint, spmd.testing,
+            spmd.testing.strategies]
 
 
 def _public():

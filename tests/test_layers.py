@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mapping",),       # shard_map
     ("ops",),           # domain-parallel functional layers
     ("nn",),            # their modules and convert
-    ("parallel",),      # GradSync
+    ("parallel", "checkpoint"),  # GradSync; save and load across meshes
     ("run",),           # launch: threads or gloo processes
     ("testing", "viz"),  # tools
     ("demo",),          # the demo's pieces and its command line

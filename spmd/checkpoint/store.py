@@ -1,0 +1,722 @@
+"""``save`` and ``load``: a training state across meshes, on torch.distributed.checkpoint.
+
+A checkpoint is a directory of versions, each a plain DCP checkpoint::
+
+    path/LATEST        "v000002": the last save that finished on every rank
+    path/v000002/      .metadata + __<rank>_0.distcp files (DCP's FileSystemWriter)
+
+A save writes a new version and, once every rank's files and the metadata are on
+disk, replaces ``LATEST`` atomically; then it deletes older versions. A save cut short
+(a rank killed, a full disk) leaves ``LATEST`` naming the previous version, which still
+loads; its partial directory is removed by the next save.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import re
+import shutil
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from ..comm import comm_of
+from ..core._context import in_rank_of
+from ..core._format import describe, shape_str
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..transforms.sharded import Sharded, held_ranks
+from . import entries as E
+from ._reader import ShardReader
+from .planners import ChunkLoadPlanner, ChunkSavePlanner
+
+__all__ = ["ReadStats", "latest", "load", "read_stats", "save"]
+
+_LATEST = "LATEST"
+_VERSION = re.compile(r"^v(\d{6,})$")
+
+
+# -- public API -------------------------------------------------------------------------
+
+def save(state: Any, path: str | os.PathLike, mesh: Mesh, *, keep: int = 1) -> str:
+    """Write ``state`` to the checkpoint directory ``path``; call it on every rank.
+
+    Each element is written by one rank: a ``Sharded`` shard by the lowest rank holding
+    it, a replicated tensor by one rank (they take turns, tensor by tensor), Python
+    values by rank 0, ``PerRank`` values by their rank. The new version becomes the one
+    ``load`` reads only once every rank's bytes are on disk; ``keep`` versions are kept.
+
+    Args:
+        state: a pytree of ``Sharded``, tensors, ``PerRank`` and Python values (see
+            ``spmd.checkpoint``), with the same keys and shapes on every rank.
+        path: the checkpoint directory (shared by every rank: one filesystem).
+        mesh: the mesh the ranks run on. On processes, call from every process; on a
+            threads mesh, from ordinary code (one call holds every rank) or from every
+            rank thread.
+        keep: how many finished versions to keep (>= 1).
+
+    Returns:
+        The directory of the version written (a plain DCP checkpoint).
+
+    Raises:
+        SpecError: on every rank, before anything is written, when the state's keys,
+            shapes, layouts or Python values differ between ranks, or a leaf cannot be
+            saved.
+
+    Example:
+        >>> import tempfile
+        >>> mesh = Mesh((2,), ("sp",))
+        >>> u = spmd.Sharded.from_global(torch.arange(6.0), mesh, P("sp"))
+        >>> path = tempfile.mkdtemp()
+        >>> spmd.checkpoint.save({"u": u, "w": torch.ones(2), "step": 3}, path, mesh)
+        ... # doctest: +ELLIPSIS
+        '.../v000001'
+    """
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        raise SpecError(f"spmd.checkpoint.save: keep must be an int >= 1, got {keep!r}")
+    _check_mesh(mesh, "spmd.checkpoint.save")
+    ents, treedef = E.flatten(state, mesh, "spmd.checkpoint.save", template=False)
+    root = os.fspath(path)
+    tree = optree.tree_unflatten(treedef, [_marker(e) for e in ents])
+    return _run(mesh, _SaveJob(ents, tree, root, mesh, keep), "spmd.checkpoint.save")
+
+
+def load(template: Any, path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
+    """Read the checkpoint at ``path`` into the structure of ``template``; a new state.
+
+    Each leaf of the template says what to read: a ``Sharded`` or a ``Layout`` reads the
+    shards of that layout (any layout on any mesh, whatever layout it was saved in; each
+    rank reads only the bytes of its own shard), a tensor reads the whole value (a saved
+    ``Sharded`` too: its global tensor), ``PerRank`` the held ranks' values, a Python
+    value the saved one, and ``AS_SAVED`` the saved subtree as it was.
+
+    Args:
+        template: the state's structure; its values are not read or changed.
+        path: a checkpoint directory written by ``save`` (its last finished version), or
+            one version / any plain DCP checkpoint directory.
+        mesh: the mesh to load onto; None for one process with no mesh (then the
+            template holds no ``Sharded`` or ``Layout``).
+
+    Raises:
+        SpecError: on every rank, before any tensor bytes are read, when a key of the
+            template is not in the checkpoint, a global shape or dtype differs (naming the
+            key and both), or the template differs between ranks.
+
+    Example:
+        >>> import tempfile
+        >>> path = tempfile.mkdtemp()
+        >>> u = spmd.Sharded.from_global(torch.arange(6.0), Mesh((2,), ("sp",)), P("sp"))
+        >>> _ = spmd.checkpoint.save({"u": u, "step": 3}, path, u.mesh)
+        >>> mesh3 = Mesh((3,), ("sp",))                 # another mesh, other shards
+        >>> tmpl = {"u": Layout((6,), P("sp"), mesh3, sizes={0: [1, 0, 5]}), "step": 0}
+        >>> back = spmd.checkpoint.load(tmpl, path, mesh3)
+        >>> back["u"].shards[2].tolist(), back["step"]
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 3)
+        >>> spmd.checkpoint.load({"u": torch.empty(6)}, path)["u"]  # one process, no mesh
+        tensor([0., 1., 2., 3., 4., 5.])
+    """
+    if mesh is None:
+        mesh = Mesh((1,), ("_",), backend="threads")
+    _check_mesh(mesh, "spmd.checkpoint.load")
+    ents, treedef = E.flatten(template, mesh, "spmd.checkpoint.load", template=True)
+    return _run(mesh, _LoadJob(ents, treedef, os.fspath(path), mesh), "spmd.checkpoint.load")
+
+
+def latest(path: str | os.PathLike) -> str | None:
+    """The directory of the last finished version under ``path``, or None."""
+    root = os.fspath(path)
+    try:
+        with open(os.path.join(root, _LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return os.path.join(root, name)
+
+
+@dataclass
+class ReadStats:
+    """Bytes read by ``load`` in this process while the ``read_stats`` block is open.
+
+    ``payload_bytes``: tensor data; ``overhead_bytes``: DCP's and torch.save's headers,
+    Python values and the tree record; ``full_reads``: stored chunks read whole because
+    they could not be read in part (written by other tools, or compressed).
+    """
+
+    payload_bytes: int = 0
+    overhead_bytes: int = 0
+    full_reads: int = 0
+
+
+_stats: list[ReadStats] = []
+_stats_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def read_stats() -> Iterator[ReadStats]:
+    """Count the bytes ``load`` reads in this process.
+
+    Example:
+        >>> import tempfile
+        >>> path, mesh = tempfile.mkdtemp(), Mesh((2,), ("sp",))
+        >>> _ = spmd.checkpoint.save({"w": torch.zeros(1000)}, path, mesh)
+        >>> with spmd.checkpoint.read_stats() as st:
+        ...     _ = spmd.checkpoint.load({"w": Layout((1000,), P("sp"), mesh)}, path, mesh)
+        >>> st.payload_bytes          # both ranks' halves, as this process holds both
+        4000
+    """
+    st = ReadStats()
+    with _stats_lock:
+        _stats.append(st)
+    try:
+        yield st
+    finally:
+        with _stats_lock:
+            # By identity: ReadStats compare equal by value, and rank threads each
+            # open one.
+            del _stats[next(i for i, s in enumerate(_stats) if s is st)]
+
+
+def _count(payload: int, overhead: int, full: int) -> None:
+    with _stats_lock:
+        for s in _stats:
+            s.payload_bytes += payload
+            s.overhead_bytes += overhead
+            s.full_reads += full
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP's calls, minus its noise: one process with no process group is what we asked
+    for (DCP warns it "assumes" so), and a failure is raised as the rank's own exception
+    (DCP wraps them in a CheckpointException, a BaseException that ``except Exception``
+    does not catch) with the ranks it failed on in a note."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except CheckpointException as ex:
+            fails = getattr(ex, "failures", None) or {}
+            if not fails:
+                raise RuntimeError(str(ex)) from None
+            rank = min(fails)
+            first = fails[rank]
+            err = first[0] if isinstance(first, tuple) else first
+            if not isinstance(err, Exception):
+                raise RuntimeError(str(ex)) from None
+            if hasattr(err, "add_note"):
+                err.add_note(f"(torch.distributed.checkpoint failed on ranks {sorted(fails)}; "
+                             f"this is rank {rank}'s error)")
+            raise err from None
+
+
+# -- running on processes, rank threads, or one process --------------------------------
+
+def _check_mesh(mesh: Any, what: str) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
+
+
+def _run(mesh: Mesh, job: Any, what: str) -> Any:
+    """Agree on ``job.local_check()`` (a digest of what must match, and this rank's
+    error), then run ``job.run(held, parts)`` once per process.
+
+    Processes: one all_gather of (digest, failed) so every rank raises when any rank
+    would, then DCP's own collectives. Rank threads: one exchange; its last arrival runs
+    the whole job for every rank (one DCP call in this process) and each rank takes its
+    part. Ordinary code on a threads mesh: this process holds every rank.
+    """
+    digest, err = job.local_check()
+    if mesh.backend == "torch":
+        comm = comm_of(mesh)
+        group = mesh.group(mesh.axis_names)
+        mine = torch.tensor([digest, 0 if err is None else 1], dtype=torch.int64,
+                            device=mesh.device)
+        rows = [t.tolist() for t in comm.all_gather(mine, group, 0, name=what)]
+        _agree(rows, err, what, list(group.ranks))
+        return job.run((mesh.rank,), None)
+    if not in_rank_of(mesh):
+        if err is not None:
+            raise SpecError(err)
+        return job.run(tuple(range(mesh.size)), None)
+    comm = comm_of(mesh)
+    group = mesh.group(mesh.axis_names)
+    rank = mesh.rank
+
+    def combine(payloads: list) -> Any:
+        rows = [[p[0], 0 if p[1] is None else 1] for p in payloads]
+        errs = {r: p[1] for r, p in zip(group.ranks, payloads) if p[1] is not None}
+        if errs:
+            r0 = min(errs)
+            raise SpecError(errs[r0] if len(errs) == 1 else
+                            f"{errs[r0]} (and on ranks {sorted(errs)[1:]})")
+        _agree(rows, None, what, list(group.ranks))
+        return payloads[0][2].run(tuple(group.ranks), [p[2].ents for p in payloads])
+
+    out = comm.exchange(group, what, (digest, err, job), name=what, combine=combine)
+    return out[rank] if isinstance(out, dict) else out
+
+
+def _agree(rows: list[list[int]], err: str | None, what: str, ranks: list[int]) -> None:
+    failed = [r for r, row in zip(ranks, rows) if row[1]]
+    if err is not None:
+        raise SpecError(err)
+    if failed:
+        raise SpecError(f"{what}: ranks {failed} cannot run this call (each of them raised "
+                        f"the reason); nothing was read or written")
+    digests = {row[0] for row in rows}
+    if len(digests) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, row in zip(ranks, rows):
+            groups.setdefault(row[0], []).append(r)
+        raise SpecError(f"{what}: the state differs between ranks (keys, global shapes, "
+                        f"dtypes, layouts or Python values): ranks "
+                        f"{' vs '.join(str(v) for v in groups.values())} agree among "
+                        f"themselves; every rank must pass the same structure")
+
+
+def _marker(e: E.Entry) -> Any:
+    return e.value if e.kind == "object" else (E._MARK, e.kind, e.key)
+
+
+# -- save -------------------------------------------------------------------------------
+
+class _SaveJob:
+    def __init__(self, ents: list[E.Entry], tree: Any, root: str, mesh: Mesh, keep: int):
+        self.ents, self.tree, self.root, self.mesh, self.keep = ents, tree, root, mesh, keep
+
+    def local_check(self) -> tuple[int, str | None]:
+        err = None
+        try:
+            _check_root(self.root)
+            for e in self.ents:
+                if e.kind == "per_rank":
+                    have = set(e.value.values)
+                    want = set(held_ranks(self.mesh))
+                    if have != want:
+                        raise SpecError(
+                            f"spmd.checkpoint.save: {e.key!r} is a PerRank holding ranks "
+                            f"{sorted(have)}, but this process holds ranks {sorted(want)}: "
+                            f"build it with PerRank.of(mesh, fn)")
+            for e in self.ents:
+                if e.kind == "object":
+                    _check_loadable(e.value, f"{e.key!r} ({describe(e.value)})")
+            _check_loadable(self.tree, "the state's structure (its containers)")
+        except SpecError as ex:
+            err = str(ex)
+        return E.digest([E.structure(self.ents), [e.value for e in self.ents
+                                                   if e.kind == "object"]]), err
+
+    def run(self, held: tuple[int, ...], parts: list | None) -> str:
+        ents = self.ents if parts is None else _merge_saves(parts, held)
+        mesh, P = self.mesh, self.mesh.size
+        tensors: dict[tuple[str, tuple], tuple[torch.Tensor, tuple]] = {}
+        blobs: dict[str, Any] = {}
+        turn = 0
+        for e in ents:
+            if e.kind == "sharded":
+                lay: Layout = e.layout
+                empty = lay.shape and 0 in lay.shape
+                for r in sorted(set(lay.owners().values())):
+                    if r not in held:
+                        continue
+                    t = e.value.shards[r]
+                    if t.numel() == 0 and not (empty and r == 0):
+                        continue  # nothing to write; one empty chunk names an empty tensor
+                    tensors[(e.key, lay.offsets(r))] = (t, lay.shape)
+            elif e.kind == "tensor":
+                if turn % P in held:
+                    tensors[(e.key, (0,) * e.value.ndim)] = (e.value, tuple(e.value.shape))
+                turn += 1
+            elif e.kind == "per_rank":
+                for r in held:
+                    v = e.value.values[r]
+                    k = f"{e.key}@rank{r}"
+                    if isinstance(v, torch.Tensor):
+                        tensors[(k, (0,) * v.ndim)] = (v, tuple(v.shape))
+                    else:
+                        blobs[k] = v
+        if 0 in held:
+            blobs[E.TREE_KEY] = {"tree": self.tree, "ranks": P,
+                                 "mesh": [list(mesh.shape), list(mesh.axis_names)]}
+        version = _begin(self.root, mesh, held)
+        target = os.path.join(self.root, version)
+        dist = mesh.backend == "torch"
+        with _quiet():
+            dcp.save({}, storage_writer=FileSystemWriter(target, sync_files=True),
+                     planner=ChunkSavePlanner(tensors, blobs), no_dist=not dist)
+        if 0 in held:
+            _commit(self.root, version, self.keep)
+        if dist:
+            comm_of(mesh).barrier(mesh.group(mesh.axis_names), name="spmd.checkpoint.save")
+        return target
+
+
+def _merge_saves(parts: list[list[E.Entry]], held: tuple[int, ...]) -> list[E.Entry]:
+    """Rank threads' entries as one process's: their shards and per-rank values joined."""
+    out = []
+    for i, e in enumerate(parts[0]):
+        if e.kind == "sharded":
+            shards = {r: p[i].value.shards[r] for r, p in zip(held, parts)}
+            e = E.Entry(e.key, e.path, e.kind, Sharded(shards, e.layout, e.value.mesh),
+                        e.layout)
+        elif e.kind == "per_rank":
+            e = E.Entry(e.key, e.path, e.kind,
+                        E.PerRank({r: p[i].value.values[r] for r, p in zip(held, parts)}))
+        out.append(e)
+    return out
+
+
+def _check_loadable(o: Any, what: str) -> None:
+    """Python values are read back with torch.load(weights_only=True): refuse at save
+    what that load would refuse, naming it."""
+    buf = io.BytesIO()
+    try:
+        torch.save(o, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as ex:  # noqa: BLE001 - reworded below
+        found = re.search(r"GLOBAL ([\w.]+)", str(ex))
+        why = f"it refuses {found.group(1)}" if found else type(ex).__name__
+        raise SpecError(
+            f"spmd.checkpoint.save: torch.load(weights_only=True) could not read back "
+            f"{what} ({why}); save numbers, strings, None, tensors, and dicts, lists and "
+            f"tuples of them") from None
+
+
+def _check_root(root: str) -> None:
+    if os.path.isfile(root):
+        raise SpecError(f"spmd.checkpoint.save: {root!r} is a file; give a directory")
+    if os.path.isdir(root):
+        names = os.listdir(root)
+        ours = [n for n in names if n == _LATEST or _VERSION.match(n) or n.startswith(".tmp")]
+        if names and not ours:
+            raise SpecError(f"spmd.checkpoint.save: {root!r} holds files that are not an "
+                            f"spmd checkpoint ({sorted(names)[:4]}); refusing to write "
+                            f"there: give a new or an spmd checkpoint directory")
+
+
+def _begin(root: str, mesh: Mesh, held: tuple[int, ...]) -> str:
+    """The new version's name, chosen by rank 0 and known to every rank."""
+    n = 0
+    if 0 in held:
+        os.makedirs(root, exist_ok=True)
+        nums = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m]
+        n = max(nums, default=0) + 1
+    if mesh.backend == "torch":
+        t = torch.tensor([n], dtype=torch.int64, device=mesh.device)
+        n = int(comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names),
+                                        name="spmd.checkpoint.save").item())
+    return f"v{n:06d}"
+
+
+def _commit(root: str, version: str, keep: int) -> None:
+    tmp = os.path.join(root, f".tmp-{_LATEST}-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, _LATEST))
+    with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    # Keep the newest `keep` finished versions (with DCP's .metadata, written last);
+    # remove older ones and those a save cut short left without it.
+    cur = int(version[1:])
+    vs = sorted((int(m.group(1)), m.group(0))
+                for m in map(_VERSION.match, os.listdir(root)) if m)
+    done = [name for num, name in vs if num <= cur
+            and os.path.isfile(os.path.join(root, name, ".metadata"))]
+    for num, name in vs:
+        if num <= cur and name not in done[-keep:]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# -- load -------------------------------------------------------------------------------
+
+class _LoadJob:
+    def __init__(self, ents: list[E.Entry], treedef: Any, path: str, mesh: Mesh):
+        self.ents, self.treedef, self.path, self.mesh = ents, treedef, path, mesh
+
+    def local_check(self) -> tuple[int, str | None]:
+        err = None
+        try:
+            self.dir = _read_dir(self.path)
+            self.md = FileSystemReader(self.dir).read_metadata()
+            self.saved = _read_tree(self.dir, self.md)
+            self.plan = _plan_load(self.ents, self.md, self.saved, self.mesh,
+                                   held_ranks(self.mesh), self.dir)
+        except SpecError as ex:
+            err = str(ex)
+        return E.digest([E.structure(self.ents)]), err
+
+    def run(self, held: tuple[int, ...], parts: list | None) -> Any:
+        ents = self.ents if parts is None else _merge_templates(parts, held)
+        plan = self.plan if parts is None else _plan_load(ents, self.md, self.saved,
+                                                          self.mesh, held, self.dir)
+        planner = ChunkLoadPlanner(plan.dests, plan.blobs)
+        reader = ShardReader(self.dir)
+        with _quiet():
+            dcp.load({}, storage_reader=reader, planner=planner,
+                     no_dist=self.mesh.backend != "torch")
+        _count(reader.payload_bytes, reader.overhead_bytes + plan.tree_bytes,
+               reader.fallbacks)
+        leaves = plan.finish(planner.values)
+        if parts is None:
+            return optree.tree_unflatten(self.treedef, leaves)
+        return {r: optree.tree_unflatten(self.treedef, [_own(v, r, r == held[0])
+                                                         for v in leaves])
+                for r in held}
+
+
+def _own(v: Any, rank: int, first: bool) -> Any:
+    """Rank ``rank``'s part of a loaded leaf. Rank threads get values of their own, as
+    processes do: an optimizer that loads a state uses its tensors in place."""
+    if isinstance(v, Sharded):
+        return Sharded({rank: v.shards[rank]}, v.layout, v.mesh)
+    if isinstance(v, E.PerRank):
+        return E.PerRank({rank: v.values[rank]})
+    if first:
+        return v
+    return optree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor)
+                           else copy.deepcopy(x), v, none_is_leaf=True, namespace="spmd")
+
+
+def _merge_templates(parts: list[list[E.Entry]], held: tuple[int, ...]) -> list[E.Entry]:
+    out = []
+    for i, e in enumerate(parts[0]):
+        if e.kind == "per_rank":
+            e = E.Entry(e.key, e.path, e.kind,
+                        E.PerRank({r: p[i].value.values.get(r) for r, p in zip(held, parts)}))
+        out.append(e)
+    return out
+
+
+def _read_dir(path: str) -> str:
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    d = latest(path)
+    if d is None:
+        what = "does not exist" if not os.path.exists(path) else \
+            "holds no finished checkpoint (no LATEST, no .metadata)"
+        raise SpecError(f"spmd.checkpoint.load: {path!r} {what}")
+    if not os.path.isfile(os.path.join(d, ".metadata")):
+        raise SpecError(f"spmd.checkpoint.load: {path!r} names version {d!r}, which has no "
+                        f".metadata: the directory was damaged after the save finished")
+    return d
+
+
+def _read_tree(d: str, md: Metadata) -> dict | None:
+    """The tree record (structure and Python values), read directly: it is one small item."""
+    info = (md.storage_data or {}).get(MetadataIndex(E.TREE_KEY))
+    if info is None:
+        return None
+    with open(os.path.join(d, info.relative_path), "rb") as f:
+        f.seek(info.offset)
+        raw = f.read(info.length)
+    if getattr(info, "transform_descriptors", None):
+        raise SpecError(f"spmd.checkpoint.load: the tree record of {d!r} was written with "
+                        f"stream transforms {info.transform_descriptors}; load it with "
+                        f"torch.distributed.checkpoint directly")
+    out = torch.load(io.BytesIO(raw), weights_only=True)
+    out["bytes"] = len(raw)
+    return out
+
+
+@dataclass
+class _Plan:
+    dests: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
+    blobs: list[str]
+    finish: Any
+    tree_bytes: int
+
+
+def _plan_load(ents: list[E.Entry], md: Metadata, saved: dict | None, mesh: Mesh,
+               held: tuple[int, ...], d: str) -> _Plan:
+    """What to read for each template entry, checked against the checkpoint's metadata;
+    and how to build the loaded leaves afterwards. Raises SpecError naming the key."""
+    sdm = md.state_dict_metadata
+    dests: dict[str, list] = {}
+    blobs: list[str] = []
+    makers: list[Any] = []
+
+    def tensor_md(key: str, want: str) -> TensorStorageMetadata:
+        m = sdm.get(key)
+        if m is None:
+            near = [k for k in sdm if k.startswith(key.rsplit(".", 1)[0])][:4]
+            raise SpecError(f"spmd.checkpoint.load: the checkpoint {d!r} has no {key!r}"
+                            + (f" (it has {near})" if near else "")
+                            + f"; the template asks for {want}")
+        if isinstance(m, BytesStorageMetadata):
+            raise SpecError(f"spmd.checkpoint.load: {key!r} is a Python value in the "
+                            f"checkpoint but the template asks for {want}")
+        return m
+
+    def full(key: str, m: TensorStorageMetadata, device) -> Any:
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
+        dests[key] = [((0,) * t.ndim, t)]
+        return lambda vals: t
+
+    for e in ents:
+        if e.kind == "sharded":
+            lay: Layout = e.layout
+            m = tensor_md(e.key, f"a Sharded of global shape {shape_str(lay.shape)}")
+            dtype = e.value.dtype if e.value is not None else m.properties.dtype
+            _same(e.key, tuple(m.size), lay.shape, m.properties.dtype, dtype)
+            dev = e.value.device if e.value is not None else mesh.device
+            reads: dict[int, torch.Tensor] = {}   # the first holder of each shard reads it
+            copies: dict[int, int] = {}           # a replica copies its first holder's
+            by_key: dict[tuple, int] = {}
+            for r in held:
+                k = lay.shard_key(r)
+                if k in by_key:
+                    copies[r] = by_key[k]
+                    continue
+                by_key[k] = r
+                reads[r] = torch.empty(lay.local_shape(r), dtype=dtype, device=dev)
+            dests[e.key] = [(lay.offsets(r), t) for r, t in reads.items()]
+            makers.append(_sharded_maker(reads, copies, lay, mesh))
+        elif e.kind == "tensor":
+            m = tensor_md(e.key, f"a tensor of shape {shape_str(e.value.shape)}")
+            _same(e.key, tuple(m.size), tuple(e.value.shape), m.properties.dtype,
+                  e.value.dtype)
+            makers.append(full(e.key, m, e.value.device))
+        elif e.kind == "per_rank":
+            vals = {}
+            for r in e.value.values:
+                k = f"{e.key}@rank{r}"
+                m = sdm.get(k)
+                if m is None:
+                    n = (saved or {}).get("ranks", "?")
+                    raise SpecError(
+                        f"spmd.checkpoint.load: {e.key!r} holds one value per rank and the "
+                        f"checkpoint was saved on {n} ranks, so it has none for rank {r}; "
+                        f"leave {e.key!r} out of the template (and start that rank's "
+                        f"value afresh) to load onto a different mesh")
+                if isinstance(m, BytesStorageMetadata):
+                    blobs.append(k)
+                    vals[r] = (k, None)
+                else:
+                    vals[r] = (k, full(k, m, mesh.device))
+            makers.append(_per_rank_maker(vals))
+        elif e.kind == "object":
+            makers.append(_object_maker(e, saved, d))
+        elif e.kind == "as_saved":
+            makers.append(_as_saved_maker(e, saved, sdm, d, full, mesh, held, blobs))
+    tree_bytes = saved["bytes"] if saved else 0
+
+    def finish(values: dict[str, Any]) -> list[Any]:
+        return [mk(values) for mk in makers]
+    return _Plan(dests, blobs, finish, tree_bytes)
+
+
+def _same(key: str, saved_shape: tuple, want_shape: tuple, saved_dtype, want_dtype) -> None:
+    if tuple(saved_shape) != tuple(want_shape):
+        raise SpecError(f"spmd.checkpoint.load: {key!r} has global shape "
+                        f"{shape_str(saved_shape)} in the checkpoint but "
+                        f"{shape_str(want_shape)} in the template")
+    if saved_dtype != want_dtype:
+        raise SpecError(f"spmd.checkpoint.load: {key!r} is {saved_dtype} in the checkpoint "
+                        f"but {want_dtype} in the template; load it as {saved_dtype} "
+                        f"(a Layout or AS_SAVED leaf) and convert")
+
+
+def _sharded_maker(reads: dict[int, torch.Tensor], copies: dict[int, int], lay: Layout,
+                   mesh: Mesh):
+    def make(values: dict) -> Sharded:
+        out = dict(reads)
+        for r, src in copies.items():
+            out[r] = reads[src].clone()  # every rank holds a tensor of its own
+        return Sharded(dict(sorted(out.items())), lay, mesh)
+    return make
+
+
+def _per_rank_maker(vals: dict[int, tuple[str, Any]]):
+    def make(values: dict) -> E.PerRank:
+        return E.PerRank({r: (values[k] if mk is None else mk(values))
+                          for r, (k, mk) in vals.items()})
+    return make
+
+
+def _at(tree: Any, path: tuple, key: str, d: str) -> Any:
+    node = tree
+    for p in path:
+        try:
+            node = node[p]
+        except (KeyError, IndexError, TypeError):
+            raise SpecError(f"spmd.checkpoint.load: the checkpoint {d!r} has no {key!r}") \
+                from None
+    return node
+
+
+def _object_maker(e: E.Entry, saved: dict | None, d: str):
+    if saved is None:
+        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is a Python value, but the "
+                        f"checkpoint {d!r} was not written by spmd.checkpoint.save (it has "
+                        f"no tree record)")
+    v = _at(saved["tree"], e.path, e.key, d)
+    if E.is_marker(v):
+        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is a {v[1]} in the checkpoint but "
+                        f"the template holds a Python value ({describe(e.value)}); put a "
+                        f"tensor, a Layout or AS_SAVED there")
+    return lambda values: v
+
+
+def _as_saved_maker(e: E.Entry, saved: dict | None, sdm: dict, d: str, full, mesh: Mesh,
+                    held: tuple[int, ...], blobs: list[str]):
+    if saved is None:
+        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is AS_SAVED, but the checkpoint "
+                        f"{d!r} was not written by spmd.checkpoint.save (it has no tree "
+                        f"record): give a template leaf for each value")
+    sub = _at(saved["tree"], e.path, e.key, d)
+    leaves, treedef = optree.tree_flatten(sub, is_leaf=E.is_marker, none_is_leaf=True,
+                                          namespace="spmd")
+    makers = []
+    for leaf in leaves:
+        if not E.is_marker(leaf):
+            makers.append(lambda values, v=leaf: v)
+            continue
+        _, kind, key = leaf
+        if kind == "tensor":
+            makers.append(full(key, sdm[key], mesh.device))
+        elif kind == "sharded":
+            raise SpecError(f"spmd.checkpoint.load: {key!r} (under AS_SAVED {e.key!r}) was "
+                            f"saved as a Sharded; the template must say how to hold it: a "
+                            f"Layout (shards) or a tensor of its global shape")
+        else:  # per_rank
+            vals = {}
+            for r in held:
+                k = f"{key}@rank{r}"
+                m = sdm.get(k)
+                if m is None:
+                    raise SpecError(f"spmd.checkpoint.load: {key!r} (under AS_SAVED "
+                                    f"{e.key!r}) has no value for rank {r}")
+                if isinstance(m, BytesStorageMetadata):
+                    blobs.append(k)
+                    vals[r] = (k, None)
+                else:
+                    vals[r] = (k, full(k, m, mesh.device))
+            makers.append(_per_rank_maker(vals))
+
+    def make(values: dict) -> Any:
+        return optree.tree_unflatten(treedef, [mk(values) for mk in makers])
+    return make
