@@ -20,7 +20,7 @@ def _script():
 def test_checks_pass_on_cpu(capsys):
     assert _script().main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 3 and "FAIL" not in out
+    assert out.count("PASS") == 4 and "FAIL" not in out
 
 
 def test_runs_on_cuda_or_skips_without_it(capsys):

@@ -286,7 +286,8 @@ def _agree(rows: list[list[int]], err: str | None, what: str, ranks: list[int]) 
         for r, row in zip(ranks, rows):
             groups.setdefault(row[0], []).append(r)
         raise SpecError(f"{what}: the state differs between ranks (keys, global shapes, "
-                        f"dtypes, layouts or Python values): ranks "
+                        f"dtypes, layouts, Python values, or the values of replicated "
+                        f"tensors; wrap per-rank values in PerRank): ranks "
                         f"{' vs '.join(str(v) for v in groups.values())} agree among "
                         f"themselves; every rank must pass the same structure")
 
@@ -303,25 +304,28 @@ class _SaveJob:
 
     def local_check(self) -> tuple[int, str | None]:
         err = None
+        held = set(held_ranks(self.mesh))
         try:
             _check_root(self.root)
             for e in self.ents:
-                if e.kind == "per_rank":
-                    have = set(e.value.values)
-                    want = set(held_ranks(self.mesh))
-                    if have != want:
-                        raise SpecError(
-                            f"spmd.checkpoint.save: {e.key!r} is a PerRank holding ranks "
-                            f"{sorted(have)}, but this process holds ranks {sorted(want)}: "
-                            f"build it with PerRank.of(mesh, fn)")
-            for e in self.ents:
+                if e.kind == "per_rank" and set(e.value.values) != held:
+                    raise SpecError(
+                        f"spmd.checkpoint.save: {e.key!r} is a PerRank holding ranks "
+                        f"{sorted(e.value.values)}, but this process holds ranks "
+                        f"{sorted(held)}: build it with PerRank.of(mesh, fn)")
+                if e.kind == "sharded" and not held <= set(e.value.shards):
+                    raise SpecError(
+                        f"spmd.checkpoint.save: {e.key!r} holds the shards of ranks "
+                        f"{sorted(e.value.shards)}, but this process holds ranks "
+                        f"{sorted(held)}: a Sharded must hold the shards of every rank "
+                        f"this process holds")
                 if e.kind == "object":
                     _check_loadable(e.value, f"{e.key!r} ({describe(e.value)})")
             _check_loadable(self.tree, "the state's structure (its containers)")
         except SpecError as ex:
             err = str(ex)
-        return E.digest([E.structure(self.ents), [e.value for e in self.ents
-                                                   if e.kind == "object"]]), err
+        objects = [e.value for e in self.ents if e.kind == "object"]
+        return E.digest([E.structure(self.ents), objects, _sums(self.ents)]), err
 
     def run(self, held: tuple[int, ...], parts: list | None) -> str:
         ents = self.ents if parts is None else _merge_saves(parts, held)
@@ -332,7 +336,7 @@ class _SaveJob:
         for e in ents:
             if e.kind == "sharded":
                 lay: Layout = e.layout
-                empty = lay.shape and 0 in lay.shape
+                empty = 0 in lay.shape
                 for r in sorted(set(lay.owners().values())):
                     if r not in held:
                         continue
@@ -366,6 +370,16 @@ class _SaveJob:
         if dist:
             comm_of(mesh).barrier(mesh.group(mesh.axis_names), name="spmd.checkpoint.save")
         return target
+
+
+def _sums(ents: list[E.Entry]) -> list[float]:
+    """One float64 sum per replicated tensor: ranks whose copies differ (a rank that
+    skipped a gradient sync) disagree here, and one rank's copy alone would be saved."""
+    vals = [e.value.detach() for e in ents if e.kind == "tensor"]
+    if not vals:
+        return []
+    sums = [(torch.view_as_real(v) if v.is_complex() else v).double().sum() for v in vals]
+    return torch.stack(sums).tolist()  # one device sync for all
 
 
 def _merge_saves(parts: list[list[E.Entry]], held: tuple[int, ...]) -> list[E.Entry]:

@@ -196,6 +196,14 @@ def _steps_differ(mesh, path):
     return None
 
 
+def _replicas_differ(mesh, path):
+    try:
+        ck.save({"w": torch.full((3,), float(mesh.rank))}, path, mesh)
+    except SpecError as e:
+        return str(e)
+    return None
+
+
 def test_errors_are_raised_on_every_rank_before_anything_moves(tmp_path):
     path = str(tmp_path / "ck")
     spmd.launch(_save_per_rank, (2, 2), ("dp", "sp"), args=(path, 1))
@@ -206,6 +214,8 @@ def test_errors_are_raised_on_every_rank_before_anything_moves(tmp_path):
     assert all(m and "saved on 4 ranks, so it has none for rank 4" in m for m in msgs), msgs
     msgs = spmd.launch(_steps_differ, (2,), ("sp",), args=(str(tmp_path / "other"),))
     assert all(m and "differs between ranks" in m for m in msgs), msgs
+    msgs = spmd.launch(_replicas_differ, (2,), ("sp",), args=(str(tmp_path / "other"),))
+    assert all(m and "replicated tensors" in m and "[0] vs [1]" in m for m in msgs), msgs
     assert not os.path.exists(tmp_path / "other" / "LATEST")
 
 
@@ -241,6 +251,10 @@ def test_what_cannot_be_saved_is_refused_naming_the_key(tmp_path):
         ck.save({"pair": Pair(1, 2)}, tmp_path / "a", mesh)
     with pytest.raises(SpecError, match="PerRank holding ranks \\[0\\]"):
         ck.save({"r": ck.PerRank({0: 1})}, tmp_path / "a", mesh)
+    with pytest.raises(SpecError, match=r"'u' holds the shards of ranks \[0\], but this "
+                                        r"process holds ranks \[0, 1\]"):
+        ck.save({"u": Sharded({0: torch.zeros(3)}, Layout((6,), P("sp"), mesh), mesh)},
+                tmp_path / "a", mesh)
     with pytest.raises(SpecError, match="both name the key 'a.b'"):
         ck.save({"a.b": 1, "a": {"b": 2}}, tmp_path / "a", mesh)
     (tmp_path / "mine").mkdir()
@@ -354,3 +368,26 @@ def test_gloo_any_layout_to_any_other(gloo2, tmp_path_factory, case):
     x = torch.randn(shape, dtype=torch.float64)
     got = gloo2.run(_gloo_round_trip, (2,), ("sp",), args=(path, src, dst, x))
     assert all(ok and read == want for ok, read, want in got), got
+
+
+def _rng_save(mesh, path):
+    torch.manual_seed(10 + mesh.rank)            # every process draws its own stream
+    torch.rand(3)
+    ck.save({"rng": ck.PerRank.of(mesh, lambda r: torch.get_rng_state())}, path, mesh)
+    return torch.rand(4)                         # what a run that went on would draw next
+
+
+def _rng_resume(mesh, path):
+    torch.manual_seed(999)
+    got = ck.load({"rng": ck.PerRank.of(mesh, lambda r: None)}, path, mesh)
+    torch.set_rng_state(got["rng"].local)
+    return torch.rand(4)
+
+
+@pytest.mark.gloo
+def test_gloo_per_rank_rng_states_resume_each_rank_stream(gloo2, tmp_path):
+    path = str(tmp_path / "ck")
+    want = gloo2.run(_rng_save, (2,), ("sp",), args=(path,))
+    got = gloo2.run(_rng_resume, (2,), ("sp",), args=(path,))
+    assert not torch.equal(want[0], want[1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
