@@ -20,7 +20,6 @@ Keys join a leaf's path with ``.``, as torch's state_dicts do: ``model.conv1.wei
 """
 from __future__ import annotations
 
-import math
 import pickle
 import zlib
 from collections.abc import Callable, Mapping
@@ -179,17 +178,10 @@ def _entry(key: str, path: tuple, leaf: Any, mesh: Mesh, what: str, template: bo
 
 # -- the tree record: structure and Python values, written once -------------------------
 
-def skeleton(tree: Any, entries: list[Entry]) -> Any:
-    """``tree`` with each tensor-like leaf replaced by a marker ``(_MARK, kind, key)``;
-    Python values stay in place. Loads with ``torch.load(weights_only=True)``."""
-    it = iter(entries)
-
-    def mark(_leaf: Any) -> Any:
-        e = next(it)
-        if e.kind == "object":
-            return e.value
-        return (_MARK, e.kind, e.key)
-    return optree.tree_map(mark, tree, is_leaf=_is_leaf, none_is_leaf=True, namespace="spmd")
+def marker(e: Entry) -> Any:
+    """What the tree record holds for ``e``: a Python value itself, else
+    ``(_MARK, kind, key)``; the record loads with ``torch.load(weights_only=True)``."""
+    return e.value if e.kind == "object" else (_MARK, e.kind, e.key)
 
 
 def is_marker(x: Any) -> bool:
@@ -222,7 +214,3 @@ def structure(entries: list[Entry]) -> list[Any]:
         else:
             out.append((e.key, e.kind))
     return out
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape) * t.element_size()

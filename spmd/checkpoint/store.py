@@ -1,14 +1,12 @@
 """``save`` and ``load``: a training state across meshes, on torch.distributed.checkpoint.
 
-A checkpoint is a directory of versions, each a plain DCP checkpoint::
-
-    path/LATEST        "v000002": the last save that finished on every rank
-    path/v000002/      .metadata + __<rank>_0.distcp files (DCP's FileSystemWriter)
-
-A save writes a new version and, once every rank's files and the metadata are on
-disk, replaces ``LATEST`` atomically; then it deletes older versions. A save cut short
-(a rank killed, a full disk) leaves ``LATEST`` naming the previous version, which still
-loads; its partial directory is removed by the next save.
+Both run in two steps. First every rank checks its own part (its state or template
+against the checkpoint) and the ranks agree, in one small exchange, that they pass the
+same structure and that none failed: an error is raised on every rank before any data
+moves. Then one DCP call per process does the work: on processes DCP's own collectives,
+on rank threads one call for all of them (the last to arrive runs it), on a threads
+mesh seen from ordinary code one call holding every rank. The directory of versions is
+``versions.py``; what a load reads, ``load_plan.py``.
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ import copy
 import io
 import os
 import re
-import shutil
 import threading
 import warnings
 from collections.abc import Iterator
@@ -29,28 +26,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..comm import comm_of
 from ..core._context import in_rank_of
-from ..core._format import describe, shape_str
+from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..transforms.sharded import Sharded, held_ranks
 from . import entries as E
+from . import versions as V
 from ._reader import ShardReader
+from .load_plan import plan_load
 from .planners import ChunkLoadPlanner, ChunkSavePlanner
+from .versions import latest
 
 __all__ = ["ReadStats", "latest", "load", "read_stats", "save"]
-
-_LATEST = "LATEST"
-_VERSION = re.compile(r"^v(\d{6,})$")
 
 
 # -- public API -------------------------------------------------------------------------
@@ -94,7 +86,7 @@ def save(state: Any, path: str | os.PathLike, mesh: Mesh, *, keep: int = 1) -> s
     _check_mesh(mesh, "spmd.checkpoint.save")
     ents, treedef = E.flatten(state, mesh, "spmd.checkpoint.save", template=False)
     root = os.fspath(path)
-    tree = optree.tree_unflatten(treedef, [_marker(e) for e in ents])
+    tree = optree.tree_unflatten(treedef, [E.marker(e) for e in ents])
     return _run(mesh, _SaveJob(ents, tree, root, mesh, keep), "spmd.checkpoint.save")
 
 
@@ -137,17 +129,6 @@ def load(template: Any, path: str | os.PathLike, mesh: Mesh | None = None) -> An
     _check_mesh(mesh, "spmd.checkpoint.load")
     ents, treedef = E.flatten(template, mesh, "spmd.checkpoint.load", template=True)
     return _run(mesh, _LoadJob(ents, treedef, os.fspath(path), mesh), "spmd.checkpoint.load")
-
-
-def latest(path: str | os.PathLike) -> str | None:
-    """The directory of the last finished version under ``path``, or None."""
-    root = os.fspath(path)
-    try:
-        with open(os.path.join(root, _LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    return os.path.join(root, name)
 
 
 @dataclass
@@ -292,10 +273,6 @@ def _agree(rows: list[list[int]], err: str | None, what: str, ranks: list[int]) 
                         f"themselves; every rank must pass the same structure")
 
 
-def _marker(e: E.Entry) -> Any:
-    return e.value if e.kind == "object" else (E._MARK, e.kind, e.key)
-
-
 # -- save -------------------------------------------------------------------------------
 
 class _SaveJob:
@@ -306,7 +283,7 @@ class _SaveJob:
         err = None
         held = set(held_ranks(self.mesh))
         try:
-            _check_root(self.root)
+            V.check_root(self.root)
             for e in self.ents:
                 if e.kind == "per_rank" and set(e.value.values) != held:
                     raise SpecError(
@@ -359,14 +336,14 @@ class _SaveJob:
         if 0 in held:
             blobs[E.TREE_KEY] = {"tree": self.tree, "ranks": P,
                                  "mesh": [list(mesh.shape), list(mesh.axis_names)]}
-        version = _begin(self.root, mesh, held)
+        version = V.begin(self.root, mesh, held)
         target = os.path.join(self.root, version)
         dist = mesh.backend == "torch"
         with _quiet():
             dcp.save({}, storage_writer=FileSystemWriter(target, sync_files=True),
                      planner=ChunkSavePlanner(tensors, blobs), no_dist=not dist)
         if 0 in held:
-            _commit(self.root, version, self.keep)
+            V.commit(self.root, version, self.keep)
         if dist:
             comm_of(mesh).barrier(mesh.group(mesh.axis_names), name="spmd.checkpoint.save")
         return target
@@ -414,57 +391,6 @@ def _check_loadable(o: Any, what: str) -> None:
             f"tuples of them") from None
 
 
-def _check_root(root: str) -> None:
-    if os.path.isfile(root):
-        raise SpecError(f"spmd.checkpoint.save: {root!r} is a file; give a directory")
-    if os.path.isdir(root):
-        names = os.listdir(root)
-        ours = [n for n in names if n == _LATEST or _VERSION.match(n) or n.startswith(".tmp")]
-        if names and not ours:
-            raise SpecError(f"spmd.checkpoint.save: {root!r} holds files that are not an "
-                            f"spmd checkpoint ({sorted(names)[:4]}); refusing to write "
-                            f"there: give a new or an spmd checkpoint directory")
-
-
-def _begin(root: str, mesh: Mesh, held: tuple[int, ...]) -> str:
-    """The new version's name, chosen by rank 0 and known to every rank."""
-    n = 0
-    if 0 in held:
-        os.makedirs(root, exist_ok=True)
-        nums = [int(m.group(1)) for m in map(_VERSION.match, os.listdir(root)) if m]
-        n = max(nums, default=0) + 1
-    if mesh.backend == "torch":
-        t = torch.tensor([n], dtype=torch.int64, device=mesh.device)
-        n = int(comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names),
-                                        name="spmd.checkpoint.save").item())
-    return f"v{n:06d}"
-
-
-def _commit(root: str, version: str, keep: int) -> None:
-    tmp = os.path.join(root, f".tmp-{_LATEST}-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "w") as f:
-        f.write(version + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, _LATEST))
-    with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    # Keep the newest `keep` finished versions (with DCP's .metadata, written last);
-    # remove older ones and those a save cut short left without it.
-    cur = int(version[1:])
-    vs = sorted((int(m.group(1)), m.group(0))
-                for m in map(_VERSION.match, os.listdir(root)) if m)
-    done = [name for num, name in vs if num <= cur
-            and os.path.isfile(os.path.join(root, name, ".metadata"))]
-    for num, name in vs:
-        if num <= cur and name not in done[-keep:]:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
 # -- load -------------------------------------------------------------------------------
 
 class _LoadJob:
@@ -474,10 +400,10 @@ class _LoadJob:
     def local_check(self) -> tuple[int, str | None]:
         err = None
         try:
-            self.dir = _read_dir(self.path)
+            self.dir = V.read_dir(self.path)
             self.md = FileSystemReader(self.dir).read_metadata()
             self.saved = _read_tree(self.dir, self.md)
-            self.plan = _plan_load(self.ents, self.md, self.saved, self.mesh,
+            self.plan = plan_load(self.ents, self.md, self.saved, self.mesh,
                                    held_ranks(self.mesh), self.dir)
         except SpecError as ex:
             err = str(ex)
@@ -485,7 +411,7 @@ class _LoadJob:
 
     def run(self, held: tuple[int, ...], parts: list | None) -> Any:
         ents = self.ents if parts is None else _merge_templates(parts, held)
-        plan = self.plan if parts is None else _plan_load(ents, self.md, self.saved,
+        plan = self.plan if parts is None else plan_load(ents, self.md, self.saved,
                                                           self.mesh, held, self.dir)
         planner = ChunkLoadPlanner(plan.dests, plan.blobs)
         reader = ShardReader(self.dir)
@@ -525,20 +451,6 @@ def _merge_templates(parts: list[list[E.Entry]], held: tuple[int, ...]) -> list[
     return out
 
 
-def _read_dir(path: str) -> str:
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    d = latest(path)
-    if d is None:
-        what = "does not exist" if not os.path.exists(path) else \
-            "holds no finished checkpoint (no LATEST, no .metadata)"
-        raise SpecError(f"spmd.checkpoint.load: {path!r} {what}")
-    if not os.path.isfile(os.path.join(d, ".metadata")):
-        raise SpecError(f"spmd.checkpoint.load: {path!r} names version {d!r}, which has no "
-                        f".metadata: the directory was damaged after the save finished")
-    return d
-
-
 def _read_tree(d: str, md: Metadata) -> dict | None:
     """The tree record (structure and Python values), read directly: it is one small item."""
     info = (md.storage_data or {}).get(MetadataIndex(E.TREE_KEY))
@@ -556,181 +468,3 @@ def _read_tree(d: str, md: Metadata) -> dict | None:
     return out
 
 
-@dataclass
-class _Plan:
-    dests: dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
-    blobs: list[str]
-    finish: Any
-    tree_bytes: int
-
-
-def _plan_load(ents: list[E.Entry], md: Metadata, saved: dict | None, mesh: Mesh,
-               held: tuple[int, ...], d: str) -> _Plan:
-    """What to read for each template entry, checked against the checkpoint's metadata;
-    and how to build the loaded leaves afterwards. Raises SpecError naming the key."""
-    sdm = md.state_dict_metadata
-    dests: dict[str, list] = {}
-    blobs: list[str] = []
-    makers: list[Any] = []
-
-    def tensor_md(key: str, want: str) -> TensorStorageMetadata:
-        m = sdm.get(key)
-        if m is None:
-            near = [k for k in sdm if k.startswith(key.rsplit(".", 1)[0])][:4]
-            raise SpecError(f"spmd.checkpoint.load: the checkpoint {d!r} has no {key!r}"
-                            + (f" (it has {near})" if near else "")
-                            + f"; the template asks for {want}")
-        if isinstance(m, BytesStorageMetadata):
-            raise SpecError(f"spmd.checkpoint.load: {key!r} is a Python value in the "
-                            f"checkpoint but the template asks for {want}")
-        return m
-
-    def full(key: str, m: TensorStorageMetadata, device) -> Any:
-        t = torch.empty(tuple(m.size), dtype=m.properties.dtype, device=device)
-        dests[key] = [((0,) * t.ndim, t)]
-        return lambda vals: t
-
-    for e in ents:
-        if e.kind == "sharded":
-            lay: Layout = e.layout
-            m = tensor_md(e.key, f"a Sharded of global shape {shape_str(lay.shape)}")
-            dtype = e.value.dtype if e.value is not None else m.properties.dtype
-            _same(e.key, tuple(m.size), lay.shape, m.properties.dtype, dtype)
-            dev = e.value.device if e.value is not None else mesh.device
-            reads: dict[int, torch.Tensor] = {}   # the first holder of each shard reads it
-            copies: dict[int, int] = {}           # a replica copies its first holder's
-            by_key: dict[tuple, int] = {}
-            for r in held:
-                k = lay.shard_key(r)
-                if k in by_key:
-                    copies[r] = by_key[k]
-                    continue
-                by_key[k] = r
-                reads[r] = torch.empty(lay.local_shape(r), dtype=dtype, device=dev)
-            dests[e.key] = [(lay.offsets(r), t) for r, t in reads.items()]
-            makers.append(_sharded_maker(reads, copies, lay, mesh))
-        elif e.kind == "tensor":
-            m = tensor_md(e.key, f"a tensor of shape {shape_str(e.value.shape)}")
-            _same(e.key, tuple(m.size), tuple(e.value.shape), m.properties.dtype,
-                  e.value.dtype)
-            makers.append(full(e.key, m, e.value.device))
-        elif e.kind == "per_rank":
-            vals = {}
-            for r in e.value.values:
-                k = f"{e.key}@rank{r}"
-                m = sdm.get(k)
-                if m is None:
-                    n = (saved or {}).get("ranks", "?")
-                    raise SpecError(
-                        f"spmd.checkpoint.load: {e.key!r} holds one value per rank and the "
-                        f"checkpoint was saved on {n} ranks, so it has none for rank {r}; "
-                        f"leave {e.key!r} out of the template (and start that rank's "
-                        f"value afresh) to load onto a different mesh")
-                if isinstance(m, BytesStorageMetadata):
-                    blobs.append(k)
-                    vals[r] = (k, None)
-                else:
-                    vals[r] = (k, full(k, m, mesh.device))
-            makers.append(_per_rank_maker(vals))
-        elif e.kind == "object":
-            makers.append(_object_maker(e, saved, d))
-        elif e.kind == "as_saved":
-            makers.append(_as_saved_maker(e, saved, sdm, d, full, mesh, held, blobs))
-    tree_bytes = saved["bytes"] if saved else 0
-
-    def finish(values: dict[str, Any]) -> list[Any]:
-        return [mk(values) for mk in makers]
-    return _Plan(dests, blobs, finish, tree_bytes)
-
-
-def _same(key: str, saved_shape: tuple, want_shape: tuple, saved_dtype, want_dtype) -> None:
-    if tuple(saved_shape) != tuple(want_shape):
-        raise SpecError(f"spmd.checkpoint.load: {key!r} has global shape "
-                        f"{shape_str(saved_shape)} in the checkpoint but "
-                        f"{shape_str(want_shape)} in the template")
-    if saved_dtype != want_dtype:
-        raise SpecError(f"spmd.checkpoint.load: {key!r} is {saved_dtype} in the checkpoint "
-                        f"but {want_dtype} in the template; load it as {saved_dtype} "
-                        f"(a Layout or AS_SAVED leaf) and convert")
-
-
-def _sharded_maker(reads: dict[int, torch.Tensor], copies: dict[int, int], lay: Layout,
-                   mesh: Mesh):
-    def make(values: dict) -> Sharded:
-        out = dict(reads)
-        for r, src in copies.items():
-            out[r] = reads[src].clone()  # every rank holds a tensor of its own
-        return Sharded(dict(sorted(out.items())), lay, mesh)
-    return make
-
-
-def _per_rank_maker(vals: dict[int, tuple[str, Any]]):
-    def make(values: dict) -> E.PerRank:
-        return E.PerRank({r: (values[k] if mk is None else mk(values))
-                          for r, (k, mk) in vals.items()})
-    return make
-
-
-def _at(tree: Any, path: tuple, key: str, d: str) -> Any:
-    node = tree
-    for p in path:
-        try:
-            node = node[p]
-        except (KeyError, IndexError, TypeError):
-            raise SpecError(f"spmd.checkpoint.load: the checkpoint {d!r} has no {key!r}") \
-                from None
-    return node
-
-
-def _object_maker(e: E.Entry, saved: dict | None, d: str):
-    if saved is None:
-        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is a Python value, but the "
-                        f"checkpoint {d!r} was not written by spmd.checkpoint.save (it has "
-                        f"no tree record)")
-    v = _at(saved["tree"], e.path, e.key, d)
-    if E.is_marker(v):
-        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is a {v[1]} in the checkpoint but "
-                        f"the template holds a Python value ({describe(e.value)}); put a "
-                        f"tensor, a Layout or AS_SAVED there")
-    return lambda values: v
-
-
-def _as_saved_maker(e: E.Entry, saved: dict | None, sdm: dict, d: str, full, mesh: Mesh,
-                    held: tuple[int, ...], blobs: list[str]):
-    if saved is None:
-        raise SpecError(f"spmd.checkpoint.load: {e.key!r} is AS_SAVED, but the checkpoint "
-                        f"{d!r} was not written by spmd.checkpoint.save (it has no tree "
-                        f"record): give a template leaf for each value")
-    sub = _at(saved["tree"], e.path, e.key, d)
-    leaves, treedef = optree.tree_flatten(sub, is_leaf=E.is_marker, none_is_leaf=True,
-                                          namespace="spmd")
-    makers = []
-    for leaf in leaves:
-        if not E.is_marker(leaf):
-            makers.append(lambda values, v=leaf: v)
-            continue
-        _, kind, key = leaf
-        if kind == "tensor":
-            makers.append(full(key, sdm[key], mesh.device))
-        elif kind == "sharded":
-            raise SpecError(f"spmd.checkpoint.load: {key!r} (under AS_SAVED {e.key!r}) was "
-                            f"saved as a Sharded; the template must say how to hold it: a "
-                            f"Layout (shards) or a tensor of its global shape")
-        else:  # per_rank
-            vals = {}
-            for r in held:
-                k = f"{key}@rank{r}"
-                m = sdm.get(k)
-                if m is None:
-                    raise SpecError(f"spmd.checkpoint.load: {key!r} (under AS_SAVED "
-                                    f"{e.key!r}) has no value for rank {r}")
-                if isinstance(m, BytesStorageMetadata):
-                    blobs.append(k)
-                    vals[r] = (k, None)
-                else:
-                    vals[r] = (k, full(k, m, mesh.device))
-            makers.append(_per_rank_maker(vals))
-
-    def make(values: dict) -> Any:
-        return optree.tree_unflatten(treedef, [mk(values) for mk in makers])
-    return make

@@ -1,0 +1,104 @@
+"""A checkpoint directory of versions, and the atomic switch from one to the next.
+
+    path/LATEST        "v000002": the last save that finished on every rank
+    path/v000002/      .metadata + __<rank>_0.distcp files (DCP's FileSystemWriter)
+
+A save writes a new version and, once every rank's files and DCP's metadata (written
+last) are on disk, replaces ``LATEST`` atomically (``os.replace`` of a synced file);
+then it deletes older versions. A save cut short leaves ``LATEST`` naming the previous
+version, which still loads; the next save removes the partial directory.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import threading
+
+import torch
+
+from ..comm import comm_of
+from ..core.errors import SpecError
+from ..core.mesh import Mesh
+
+__all__ = ["begin", "check_root", "commit", "latest", "read_dir"]
+
+LATEST_FILE = "LATEST"
+VERSION = re.compile(r"^v(\d{6,})$")
+
+
+def latest(path: str | os.PathLike) -> str | None:
+    """The directory of the last finished version under ``path``, or None."""
+    root = os.fspath(path)
+    try:
+        with open(os.path.join(root, LATEST_FILE)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return os.path.join(root, name)
+
+
+def check_root(root: str) -> None:
+    if os.path.isfile(root):
+        raise SpecError(f"spmd.checkpoint.save: {root!r} is a file; give a directory")
+    if os.path.isdir(root):
+        names = os.listdir(root)
+        ours = [n for n in names if n == LATEST_FILE or VERSION.match(n) or n.startswith(".tmp")]
+        if names and not ours:
+            raise SpecError(f"spmd.checkpoint.save: {root!r} holds files that are not an "
+                            f"spmd checkpoint ({sorted(names)[:4]}); refusing to write "
+                            f"there: give a new or an spmd checkpoint directory")
+
+
+def begin(root: str, mesh: Mesh, held: tuple[int, ...]) -> str:
+    """The new version's name, chosen by rank 0 and known to every rank."""
+    n = 0
+    if 0 in held:
+        os.makedirs(root, exist_ok=True)
+        nums = [int(m.group(1)) for m in map(VERSION.match, os.listdir(root)) if m]
+        n = max(nums, default=0) + 1
+    if mesh.backend == "torch":
+        t = torch.tensor([n], dtype=torch.int64, device=mesh.device)
+        n = int(comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names),
+                                        name="spmd.checkpoint.save").item())
+    return f"v{n:06d}"
+
+
+def commit(root: str, version: str, keep: int) -> None:
+    tmp = os.path.join(root, f".tmp-{LATEST_FILE}-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST_FILE))
+    with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    # Keep the newest `keep` finished versions (with DCP's .metadata, written last);
+    # remove older ones and those a save cut short left without it.
+    cur = int(version[1:])
+    vs = sorted((int(m.group(1)), m.group(0))
+                for m in map(VERSION.match, os.listdir(root)) if m)
+    done = [name for num, name in vs if num <= cur
+            and os.path.isfile(os.path.join(root, name, ".metadata"))]
+    for num, name in vs:
+        if num <= cur and name not in done[-keep:]:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def read_dir(path: str) -> str:
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    d = latest(path)
+    if d is None:
+        what = "does not exist" if not os.path.exists(path) else \
+            "holds no finished checkpoint (no LATEST, no .metadata)"
+        raise SpecError(f"spmd.checkpoint.load: {path!r} {what}")
+    if not os.path.isfile(os.path.join(d, ".metadata")):
+        raise SpecError(f"spmd.checkpoint.load: {path!r} names version {d!r}, which has no "
+                        f".metadata: the directory was damaged after the save finished")
+    return d
