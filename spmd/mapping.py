@@ -17,6 +17,7 @@ summed over A; an output replicated over A has its cotangent divided by |A|.
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,7 +30,7 @@ from .comm import comm_of, validating
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
 from .core import _tree
-from .core._context import RankContext, in_rank_of
+from .core._context import LayoutTrace, RankContext, in_rank_of, pop_trace, push_trace
 from .core._format import describe, shape_str
 from .core.errors import SpecError
 from .core.layout import Layout
@@ -43,7 +44,8 @@ __all__ = ["shard_map"]
 
 def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
               check_rep: bool = False,
-              params: Sequence[torch.Tensor] | None = None) -> Callable:
+              params: Sequence[torch.Tensor] | None = None,
+              static_layouts: bool = True) -> Callable:
     """Map ``f`` over the shards of its arguments on every rank of ``mesh``.
 
     Args:
@@ -60,6 +62,13 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
             parameters of ``f`` if it is an ``nn.Module``, else every leaf found in the
             ranks' autograd graphs (a closed-over non-leaf, such as ``sin(w)`` computed
             outside, is followed back to ``w``).
+        static_layouts: layers in ``f`` given a ``P`` learn their inputs' uneven sizes
+            from every rank's shape (one small all_gather each, a host synchronisation
+            on GPUs) on the first call only; later calls with the same input layouts
+            (and the same Python arguments) reuse what the same exchange learnt, with no
+            communication (every rank decides alike: its decision uses no rank's shape).
+            A rank whose shape then differs from last time raises. False: exchange on
+            every call (bodies whose shapes depend on data).
 
     Returns:
         A function of global arguments returning global outputs.
@@ -87,7 +96,7 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
         params_fn = lambda: params  # noqa: E731
     else:
         params_fn = None
-    sm = _ShardMap(f, mesh, in_specs, out_specs, check_rep, params_fn)
+    sm = _ShardMap(f, mesh, in_specs, out_specs, check_rep, params_fn, static_layouts)
 
     def mapped(*args: Any) -> Any:
         return sm(args)
@@ -116,10 +125,13 @@ def _check_spec_tree(specs: Any, mesh: Mesh, root: str) -> None:
 
 
 class _ShardMap:
-    def __init__(self, f, mesh, in_specs, out_specs, check_rep, params_fn):
+    def __init__(self, f, mesh, in_specs, out_specs, check_rep, params_fn, static_layouts):
         self.f, self.mesh = f, mesh
         self.in_specs, self.out_specs = in_specs, out_specs
         self.check_rep, self.params_fn = check_rep, params_fn
+        self.static_layouts = static_layouts
+        self._traces: dict = {}  # (call key, rank) -> the last call's LayoutTrace entries
+        self._trace_lock = threading.Lock()
         self._in_cache: dict = {}
         self._out_cache: dict = {}
         self._out_spec_cache: dict = {}
@@ -149,6 +161,25 @@ class _ShardMap:
             if len(self._in_cache) > 64:
                 self._in_cache.pop(next(iter(self._in_cache)))
         return leaves, treedef, hit
+
+    def _trace_key(self, treedef: Any, leaves: list, layouts: list) -> Any:
+        """What a call's size exchanges depend on, the same on every rank: the input
+        layouts and the Python arguments; None where a call cannot be keyed."""
+        if not self.static_layouts:
+            return None
+        plain = []
+        for x, lay in zip(leaves, layouts):
+            if lay is None and not isinstance(x, torch.Tensor):
+                if not isinstance(x, (int, float, str, bool, type(None))):
+                    return None  # an object whose effect on shapes we cannot key
+                plain.append((type(x), x))
+        return (treedef, tuple(layouts), tuple(plain))
+
+    def _keep_trace(self, key: Any, entries: list) -> None:
+        with self._trace_lock:  # rank threads finish together
+            self._traces[key] = entries
+            if len(self._traces) > 64 * self.mesh.size:
+                self._traces.pop(next(iter(self._traces)), None)
 
     def _check_same_globals(self, leaves: list, args: tuple) -> None:
         """Under validation, per-rank on processes: every rank must pass the same global
@@ -191,8 +222,21 @@ class _ShardMap:
             self._check_same_globals(leaves, args)
 
         seq0: dict[int, int | None] = {}
+        tkey = self._trace_key(treedef, leaves, layouts)
 
         def run_rank(rank: int):
+            if tkey is None:
+                return body_rank(rank)
+            trace = LayoutTrace(self.mesh, self._traces.get((tkey, rank)))
+            push_trace(trace)
+            try:
+                out = body_rank(rank)
+            finally:
+                pop_trace()
+            self._keep_trace((tkey, rank), trace.recorded)
+            return out
+
+        def body_rank(rank: int):
             local_g, local_s = [], []
             loc = list(detached)
             for i, lay in enumerate(layouts):

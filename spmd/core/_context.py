@@ -125,3 +125,92 @@ def in_rank_of(mesh: Mesh) -> bool:
     if mesh.backend == "torch":
         return True
     return any(m is mesh and r is not None for m, r in _stack())
+
+
+# -- static layouts: size exchanges a shard_map body already made ----------------------
+
+class LayoutTrace:
+    """What the size exchanges of one call of a shard_map body learnt, in call order.
+
+    A layer given a ``P`` learns its input's uneven sizes from every rank's local shape
+    (an int64 all_gather: on NCCL, a host synchronisation per layer per step). Every rank
+    runs the same body on the same global input layouts, so the n-th exchange of a call
+    learns the same value on every rank as the n-th exchange of the previous call with
+    those input layouts. shard_map keeps each call's list and hands it to the next: an
+    exchange whose ``key`` (what it is and its spec, rank-independent) matches the entry
+    at its position takes the value without communicating. Every rank decides alike
+    from rank-independent facts; a key that differs (control flow changed) ends the
+    reuse for the rest of the call on every rank alike. The caller checks the value
+    against its own local shape and raises where it disagrees (the body's shapes
+    depend on something the input layouts do not show).
+    """
+
+    __slots__ = ("mesh", "cached", "recorded", "pos", "broken")
+
+    def __init__(self, mesh: Mesh, cached: list | None):
+        self.mesh, self.cached = mesh, cached
+        self.recorded: list = []
+        self.pos, self.broken = 0, False
+
+    def take(self, key: object) -> object | None:
+        """The value the exchange at this position learnt last time, or None."""
+        i = self.pos
+        self.pos += 1
+        if self.broken or self.cached is None or i >= len(self.cached):
+            return None
+        k, v = self.cached[i]
+        if k != key:
+            self.broken = True
+            return None
+        return v
+
+    def put(self, key: object, value: object) -> None:
+        """Record this position's value (taken or exchanged)."""
+        self.recorded.append((key, value))
+
+
+def push_trace(trace: LayoutTrace) -> None:
+    _traces().append(trace)
+
+
+def pop_trace() -> None:
+    _traces().pop()
+
+
+def _traces() -> list:
+    t = getattr(_local, "traces", None)
+    if t is None:
+        t = _local.traces = []
+    return t
+
+
+def current_trace(mesh: Mesh) -> LayoutTrace | None:
+    """The innermost shard_map body's trace on ``mesh`` running on this thread, if any."""
+    for t in reversed(_traces()):
+        if t.mesh is mesh:
+            return t
+    return None
+
+
+def static_mismatch(what: str, got: object, want: object, rank: int) -> SpecError:
+    """The error of a rank whose shape differs from what the previous call learnt."""
+    return SpecError(
+        f"{what}: x is {got} on rank {rank}, but the previous call of this shard_map body "
+        f"with the same input layouts had {want} there; the body's shapes depend on "
+        f"something its inputs do not show (data, a changed closure): pass spec= a Layout "
+        f"there, or shard_map(..., static_layouts=False)")
+
+
+def static_layout(mesh: Mesh, key: object, exchange, check) -> object:
+    """``exchange()``'s value, or the one the same exchange learnt in the previous call
+    of this shard_map body (``check(value)`` raises if this rank's shape disagrees)."""
+    tr = current_trace(mesh)
+    if tr is None:
+        return exchange()
+    value = tr.take(key)
+    if value is None:
+        value = exchange()
+    else:
+        check(value)
+    tr.put(key, value)
+    return value

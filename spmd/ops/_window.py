@@ -23,7 +23,7 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import RankContext, on_mesh
+from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
@@ -66,11 +66,22 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
     axes = spec.axes
     if not axes:
         return rc, _agrees(x, Layout(x.shape, spec, mesh), what)
-    group = mesh.group(axes, rc.rank)
-    mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-    got = comm_of(mesh).all_gather(mine, group, 0, name=f"{what} sizes", sizes=(1,) * group.size)
-    shapes = tuple((r, tuple(int(v) for v in t[0].tolist())) for r, t in zip(group.ranks, got))
-    return rc, _agrees(x, _from_shapes(shapes, spec, _MeshOf(mesh), what), what)
+
+    def exchange() -> Layout:
+        group = mesh.group(axes, rc.rank)
+        mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
+        got = comm_of(mesh).all_gather(mine, group, 0, name=f"{what} sizes",
+                                       sizes=(1,) * group.size)
+        shapes = tuple((r, tuple(int(v) for v in t[0].tolist()))
+                       for r, t in zip(group.ranks, got))
+        return _from_shapes(shapes, spec, _MeshOf(mesh), what)
+
+    def check(lay: Layout) -> None:
+        if lay.local_shape(rc.rank) != tuple(x.shape):
+            raise static_mismatch(what, list(x.shape), list(lay.local_shape(rc.rank)), rc.rank)
+
+    lay = static_layout(mesh, ("input_layout", what, spec, x.ndim), exchange, check)
+    return rc, _agrees(x, lay, what)
 
 
 def _agrees(x: torch.Tensor, lay: Layout, what: str) -> Layout:

@@ -28,7 +28,7 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import RankContext, on_mesh
+from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
@@ -263,9 +263,19 @@ def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[in
                 f"sizes={list(sizes)} says {sizes[group.index]} for its index "
                 f"{group.index} of {_axes_str(group.axes)}")
         return sizes
-    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-    got = comm_of(rc.mesh).all_gather(mine, group, 0, name="halo_pad sizes", sizes=(1,) * group.size)
-    return tuple(int(t.item()) for t in got)
+
+    def exchange() -> tuple[int, ...]:
+        mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
+        got = comm_of(rc.mesh).all_gather(mine, group, 0, name="halo_pad sizes",
+                                          sizes=(1,) * group.size)
+        return tuple(int(t.item()) for t in got)
+
+    def check(sizes: tuple[int, ...]) -> None:
+        if sizes[group.index] != x.shape[dim]:
+            raise static_mismatch(f"halo_pad (dim {dim})", x.shape[dim], sizes[group.index],
+                                  rc.rank)
+
+    return static_layout(rc.mesh, ("halo_pad", dim, group.axes, x.ndim), exchange, check)
 
 
 # -- the exchange, the local assembly, and their transpose -------------------------------------

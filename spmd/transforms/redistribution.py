@@ -18,7 +18,7 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import RankContext, in_rank_of, on_mesh
+from ..core._context import RankContext, in_rank_of, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
@@ -117,11 +117,21 @@ def _src_layout(x: torch.Tensor, mesh: Mesh, rc: RankContext, spec, sizes) -> La
             shape[d] = sum(given[d])
         return Layout(shape, spec, mesh, given or None)
     # Every rank's shape (int64), to learn the uneven sizes of the split dims.
-    group = mesh.group(mesh.axis_names, rc.rank)
-    mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-    got = comm_of(mesh).all_gather(mine, group, 0, name="redistribute sizes", sizes=(1,) * group.size)
-    return Layout.from_local_shapes({r: t[0].tolist() for r, t in zip(group.ranks, got)},
-                                    spec, mesh)
+
+    def exchange() -> Layout:
+        group = mesh.group(mesh.axis_names, rc.rank)
+        mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
+        got = comm_of(mesh).all_gather(mine, group, 0, name="redistribute sizes",
+                                       sizes=(1,) * group.size)
+        return Layout.from_local_shapes({r: t[0].tolist() for r, t in zip(group.ranks, got)},
+                                        spec, mesh)
+
+    def check(lay: Layout) -> None:
+        if lay.local_shape(rc.rank) != tuple(x.shape):
+            raise static_mismatch("redistribute", list(x.shape),
+                                  list(lay.local_shape(rc.rank)), rc.rank)
+
+    return static_layout(mesh, ("redistribute", spec, x.ndim), exchange, check)
 
 
 def _as_dict(sizes, ndim: int) -> dict[int, list[int]]:
