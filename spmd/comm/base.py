@@ -59,6 +59,16 @@ class Comm(Protocol):
         plan knows them (all chunks of one dtype): skips a metadata exchange.
         """
 
+    def all_to_all_async(self, chunks: list[torch.Tensor], group: Group, *, name: str,
+                         shapes: list[tuple[int, ...]] | None = None) -> Work:
+        """``all_to_all`` started; ``work.wait()`` returns its result (a list).
+
+        Lets a caller compute while its blocks travel (a halo exchange behind a
+        convolution of the shard). The chunks must not change until the wait. Without
+        ``shapes`` (or under validation) the torch backend exchanges the shapes first,
+        blocking; only the data is then in flight.
+        """
+
     def scatter(self, chunks: list[torch.Tensor] | None, src: int, group: Group, *,
                 name: str, shape: tuple[int, ...], dtype: torch.dtype,
                 device: torch.device) -> torch.Tensor:

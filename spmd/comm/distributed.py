@@ -446,13 +446,22 @@ class TorchComm:
         return _unreducible(res, mine.dtype).view(mine.shape)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):
+        return self._all_to_all(chunks, group, name, shapes, wait=True)
+
+    def all_to_all_async(self, chunks, group, *, name, shapes=None):
+        # Only the data transfer is in flight; a metadata exchange (no shapes, or
+        # validation) is made first, blocking. The chunks are copied before the start.
+        return self._all_to_all(chunks, group, name, shapes, wait=False)
+
+    def _all_to_all(self, chunks, group, name, shapes, wait):
         count("all_to_all", name, group, chunks=chunks)
         n = group.size
         if len(chunks) != n:
             raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
                             f"group of {n}")
         if n == 1:
-            return [_copy(chunks[0])]
+            out = [_copy(chunks[0])]
+            return out if wait else _Done(out)
         rec = self._rec(group)
         seq = self._enter(rec)
         if self.validate:
@@ -476,21 +485,29 @@ class TorchComm:
         out_bytes = [r[2] * _dtype(r[0], name).itemsize for r in rows]
         sbuf = torch.cat([_bytes(t) for t in send])
         rbuf = torch.empty(sum(out_bytes), dtype=torch.uint8, device=dev)
-        self._call(dist.all_to_all_single, name, group, rec, seq, rbuf, sbuf,
-                   output_split_sizes=out_bytes, input_split_sizes=in_bytes)
-        offs = [0]
-        for b in out_bytes:
-            offs.append(offs[-1] + b)
-        res = []
-        for i in range(n):
-            p = rec.pg_of[i]
-            r = rows[p]
-            dt = _dtype(r[0], name)
-            seg = rbuf[offs[p]:offs[p + 1]]
-            if offs[p] % dt.itemsize:
-                seg = seg.clone()
-            res.append(seg.view(dt).view(r[3:3 + r[1]]))
-        return res
+        try:
+            work = dist.all_to_all_single(rbuf, sbuf, output_split_sizes=out_bytes,
+                                          input_split_sizes=in_bytes, group=rec.pg,
+                                          async_op=True)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq) from e
+
+        def finish() -> list[torch.Tensor]:
+            self._wait(work, name, group, rec, seq)
+            offs = [0]
+            for b in out_bytes:
+                offs.append(offs[-1] + b)
+            res = []
+            for i in range(n):
+                p = rec.pg_of[i]
+                r = rows[p]
+                dt = _dtype(r[0], name)
+                seg = rbuf[offs[p]:offs[p + 1]]
+                if offs[p] % dt.itemsize:
+                    seg = seg.clone()
+                res.append(seg.view(dt).view(r[3:3 + r[1]]))
+            return res
+        return finish() if wait else _Pending(finish)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index
@@ -774,6 +791,33 @@ def _plan_row(mismatch: tuple | None) -> list[int]:
         return [0, -1] + [-1] * (2 * _ROW)
     sender, exp, got = mismatch
     return [1, sender, *exp, *got]
+
+
+class _Pending:
+    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
+
+    __slots__ = ("finish", "result")
+
+    def __init__(self, finish):
+        self.finish, self.result = finish, None
+
+    def wait(self):
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            self.result = finish()
+        return self.result
+
+
+class _Done:
+    """A collective that finished at its start (a group of one)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
 
 
 class _TorchWork:

@@ -239,6 +239,10 @@ class ThreadComm:
         return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):
+        return self.all_to_all_async(chunks, group, name=name, shapes=shapes).wait()
+
+    def all_to_all_async(self, chunks, group, *, name, shapes=None):
+        # Deposits and returns: only wait() blocks (bounded by the timeout).
         count("all_to_all", name, group, chunks=chunks)
         def combine(cs):
             _same_len(cs, group, name)
@@ -247,14 +251,26 @@ class ThreadComm:
                 raise CommError(f"{name} over {_axes(group)}: ranks passed blocks of dtypes "
                                 f"{sorted(map(str, dts))}; every rank must pass one dtype")
             return cs
-        cs = self.exchange(group, "all_to_all", chunks, name=name, combine=combine)
         dev = chunks[group.index].device
-        got = [_copy(c[group.index], dev) for c in cs]
-        if shapes is not None and [tuple(t.shape) for t in got] != [tuple(s) for s in shapes]:
-            raise CommError(f"{name}: rank {group.rank} expected blocks of shapes "
-                            f"{[list(s) for s in shapes]} but got "
-                            f"{[list(t.shape) for t in got]}")
-        return got
+        self._stale(name, group)
+        if group.size == 1:
+            self._next_seq(group)
+            combine([chunks])
+            arrival = None
+        else:
+            arrival = self._arrive(group, "all_to_all", [c.detach() for c in chunks], name,
+                                   combine)
+
+        def finish() -> list[torch.Tensor]:
+            cs = [chunks] if arrival is None else self._collect(group, arrival, name)
+            got = [_copy(c[group.index], dev) for c in cs]
+            if shapes is not None and [tuple(t.shape) for t in got] != \
+                    [tuple(s) for s in shapes]:
+                raise CommError(f"{name}: rank {group.rank} expected blocks of shapes "
+                                f"{[list(s) for s in shapes]} but got "
+                                f"{[list(t.shape) for t in got]}")
+            return got
+        return _Pending(finish)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index
@@ -301,6 +317,21 @@ class ThreadComm:
 
     def open(self, group):
         pass  # a channel is a key of the rendezvous: nothing to set up
+
+
+class _Pending:
+    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
+
+    __slots__ = ("finish", "result")
+
+    def __init__(self, finish):
+        self.finish, self.result = finish, None
+
+    def wait(self):
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            self.result = finish()
+        return self.result
 
 
 class _ThreadWork:

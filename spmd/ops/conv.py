@@ -29,7 +29,7 @@ from ..collectives.vjp import custom_vjp
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ..transforms.halo import Fetch, exchange, frame, transpose
+from ..transforms.halo import Fetch, exchange_async, frame, transpose_async
 from ._window import (
     check_ndim,
     input_layout,
@@ -252,49 +252,58 @@ def _conv_bwd_at(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         transposed, [0] * len(stride), groups, mask)
 
 
-def _framed_value(x: torch.Tensor, recv: list, fr: _Frame, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def _framed_value(x: torch.Tensor, pending: Any, fr: _Frame, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, list]:
+    """The conv, and what arrived. The halo travels (``pending``, started by the
+    caller) while the shard's own conv runs: it needs no halo."""
     y = _conv_at(x, weight, bias, fr.full)
+    recv = pending.wait()
     for (o0, o1), rows, keep in fr.slabs:
         s = frame(x, recv, fr.f, rows, keep)
         if s is not None:  # the halo's part (the conv is linear): added in place
             y.narrow(fr.dim, o0, o1 - o0).add_(_conv_at(s, weight, None, fr.slab))
-    return y
+    return y, recv
 
 
 def _framed_primal(x, fr, weight, bias):
-    return _framed_value(x, exchange(x, fr.f), fr, weight, bias)
+    return _framed_value(x, exchange_async(x, fr.f), fr, weight, bias)[0]
 
 
 _framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
 
 
 def _framed_fwd(x, fr, weight, bias):
-    recv = exchange(x, fr.f)
+    y, recv = _framed_value(x, exchange_async(x, fr.f), fr, weight, bias)
     needs = (weight.requires_grad, bias is not None and bias.requires_grad)
-    return _framed_value(x, recv, fr, weight, bias), (x, recv, weight, bias, needs)
+    return y, (x, recv, weight, bias, needs)
 
 
 def _framed_bwd(fr, res, g):
     x, recv, weight, bias, needs = res
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
         return vjp_through(x, x.shape, (fr.f,), fr.window_conv, (weight, bias), needs, g)
-    gx, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [True, *needs])
+    # The halo's cotangents first (thin slabs), sent on their way while the shard's
+    # own conv backward, the bulk of the work, runs.
     shape = list(x.shape)
     shape[fr.dim] = 2 * fr.p
     halo = g.new_zeros(shape)  # the window's cotangent outside the shard, in window order
+    gws = []
     for (o0, o1), (w0, w1), keep in fr.slabs:
         s = frame(x, recv, fr.f, (w0, w1), keep)
         if s is None:  # nothing arrived there: no gradient to send, none to the weight
             continue
-        gi, gws, _ = _conv_bwd_at(g.narrow(fr.dim, o0, o1 - o0), s, weight, None, fr.slab,
-                                  [True, needs[0], False])
-        if gws is not None:
-            gw += gws
+        gi, gw_slab, _ = _conv_bwd_at(g.narrow(fr.dim, o0, o1 - o0), s, weight, None,
+                                      fr.slab, [True, needs[0], False])
+        gws.append(gw_slab)
         lo, hi = max(w0, keep[0]), min(w1, keep[1])
         at = lo if lo < fr.p else lo - fr.n
         halo.narrow(fr.dim, at, hi - lo).copy_(gi.narrow(fr.dim, lo - w0, hi - lo))
-    return transpose(halo, fr.f, owned=True, own_grad=gx), gw, gb
+    back = transpose_async(halo, fr.f, apart=True)
+    gx, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [True, *needs])
+    if gw is not None:
+        for gw_slab in gws:
+            gw += gw_slab
+    return back.wait(owned=True, own_grad=gx), gw, gb
 
 
 _framed.defvjp(_framed_fwd, _framed_bwd)

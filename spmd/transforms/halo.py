@@ -22,6 +22,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -306,13 +307,19 @@ def plan_fetch(rc: RankContext, axes: tuple[str, ...] | None, dim: int,
 def exchange(x: torch.Tensor, f: Fetch) -> list[torch.Tensor]:
     """Send every rank the elements of ``x`` it lacks; return what arrived from each
     member (empty where nothing does): exactly the halo, nothing of the own shard."""
+    return exchange_async(x, f).wait()
+
+
+def exchange_async(x: torch.Tensor, f: Fetch) -> Any:
+    """``exchange`` started: ``.wait()`` returns what arrived. Compute that needs no
+    halo (a convolution of the shard itself) runs while the halo travels."""
     sizes, _, _, need, _ = f.plan
     n = len(sizes)
     # What each rank r needs from me, gathered in the order r placed it.
     chunks = [(_index(x, f.dim, need[r][f.me][1]) if f.me in need[r]
                else _empty_like_along(x, f.dim)) for r in range(n)]
     counts = [len(need[f.me][s][0]) if s in need[f.me] else 0 for s in range(n)]
-    return _exchange(chunks, f, counts)
+    return _exchange_async(chunks, f, counts)
 
 
 def assemble(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch) -> torch.Tensor:
@@ -366,6 +373,40 @@ def frame(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch, rows: tuple[i
 
 def transpose(g: torch.Tensor, f: Fetch, *, owned: bool,
               own_grad: torch.Tensor | None = None) -> torch.Tensor:
+    """The fetch's backward (see ``transpose_async``, which this waits for)."""
+    return transpose_async(g, f, own_grad is not None).wait(owned=owned, own_grad=own_grad)
+
+
+class _Transposing:
+    """A ``transpose`` whose halo cotangents are on their way to their owners."""
+
+    __slots__ = ("g", "f", "pending")
+
+    def __init__(self, g: torch.Tensor, f: Fetch, pending: Any):
+        self.g, self.f, self.pending = g, f, pending
+
+    def wait(self, *, owned: bool, own_grad: torch.Tensor | None = None) -> torch.Tensor:
+        return _transposed(self.g, self.f, self.pending.wait(), owned, own_grad)
+
+
+def transpose_async(g: torch.Tensor, f: Fetch, apart: bool) -> _Transposing:
+    """Start the fetch's backward: the halo's cotangents leave now; ``.wait(owned=,
+    own_grad=)`` adds what comes back into the shard's cotangent. ``apart``: ``g`` holds
+    the window without the shard's block, whose cotangent ``wait`` is given (it may be
+    computed meanwhile)."""
+    sizes, _, own, need, _ = f.plan
+    n, me, dim = len(sizes), f.me, f.dim
+    pos, _, k = own[me]
+    at = (lambda ps: ps) if not apart else (
+        lambda ps: tuple(p if p < pos else p - k for p in ps))  # the shard's block cut out
+    back = [(_index(g, dim, at(need[me][s][0])) if s in need[me] else _empty_like_along(g, dim))
+            for s in range(n)]  # copies, taken before anything is added into g
+    counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
+    return _Transposing(g, f, _exchange_async(back, f, counts))
+
+
+def _transposed(g: torch.Tensor, f: Fetch, got: list[torch.Tensor], owned: bool,
+                own_grad: torch.Tensor | None) -> torch.Tensor:
     """The fetch's backward: the window's cotangent ``g`` -> the shard's. Cotangents of
     the halo go back to their owners, who add them into their shards.
 
@@ -377,12 +418,6 @@ def transpose(g: torch.Tensor, f: Fetch, *, owned: bool,
     sizes, _, own, need, _ = f.plan
     n, me, dim = len(sizes), f.me, f.dim
     pos, loc, k = own[me]
-    at = (lambda ps: ps) if own_grad is None else (
-        lambda ps: tuple(p if p < pos else p - k for p in ps))  # the shard's block cut out
-    back = [(_index(g, dim, at(need[me][s][0])) if s in need[me] else _empty_like_along(g, dim))
-            for s in range(n)]  # copies, taken before anything is added into g
-    counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
-    got = _exchange(back, f, counts)
     adds = [r for r in range(n) if me in need[r]]
     if own_grad is not None:
         gx = own_grad
@@ -401,16 +436,26 @@ def transpose(g: torch.Tensor, f: Fetch, *, owned: bool,
     return gx
 
 
-def _exchange(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> list[torch.Tensor]:
-    """All-to-all of the planned chunks; ``counts[s]``: how many elements along the dim
-    arrive from member s (known from the plan, so no shape exchange is needed)."""
+def _exchange_async(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> Any:
+    """All-to-all of the planned chunks, started; ``counts[s]``: how many elements along
+    the dim arrive from member s (known from the plan, so no shape exchange is needed)."""
     if f.axes is None:  # an unsplit dim: this rank holds it all
-        return [c.clone() for c in chunks]
+        return _Arrived([c.clone() for c in chunks])
     like = chunks[0].shape
     shapes = [tuple(k if d == f.dim else v for d, v in enumerate(like)) for k in counts]
     with f.rc:  # a backward may run it on another thread
         group = f.rc.mesh.group(f.axes, f.rc.rank)
-        return comm_of(f.rc.mesh).all_to_all(chunks, group, name=f.name, shapes=shapes)
+        return comm_of(f.rc.mesh).all_to_all_async(chunks, group, name=f.name, shapes=shapes)
+
+
+class _Arrived:
+    __slots__ = ("got",)
+
+    def __init__(self, got: list[torch.Tensor]):
+        self.got = got
+
+    def wait(self) -> list[torch.Tensor]:
+        return self.got
 
 
 def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:

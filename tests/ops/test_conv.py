@@ -328,3 +328,57 @@ def test_a_layout_that_does_not_fit_the_shard_is_named():
     with pytest.raises(spmd.SpecError, match=r"dim 2 of x has size \d on rank \d but the layout expects 4"):
         spmd.shard_map(f, mesh, Layout((1, 2, 8), P(None, None, "sp"), mesh, {2: [5, 3]}),
                        P(None, None, "sp"))(torch.randn(1, 2, 8))
+
+
+# -- the halo travels while the shard's own conv runs -----------------------------------------
+
+def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
+    """Forward: the halo's all_to_all starts, the shard's conv runs, then the wait and the
+    thin halo slabs. Backward: the halo cotangents leave, the shard's conv backward runs,
+    then the wait. Recorded on rank 1 of a threads mesh (a middle rank: halo both sides)."""
+    from spmd.comm.threads import ThreadComm
+    from spmd.ops import conv as conv_mod
+
+    events = []
+    start = ThreadComm.all_to_all_async
+    fwd, bwd = conv_mod._conv_at, conv_mod._conv_bwd_at
+    mid = lambda: spmd.axis_index("sp") == 1  # noqa: E731
+
+    def rec_start(self, chunks, group, *, name, shapes=None):
+        work = start(self, chunks, group, name=name, shapes=shapes)
+        if not mid():
+            return work
+        events.append("send")
+
+        class Waited:
+            def wait(self):
+                out = work.wait()
+                events.append("wait")
+                return out
+        return Waited()
+
+    def rec(kind, f):
+        def g(*args):
+            if mid():
+                x = args[0] if kind == "conv" else args[1]
+                events.append(f"{kind}{x.shape[2]}")
+            return f(*args)
+        return g
+
+    monkeypatch.setattr(ThreadComm, "all_to_all_async", rec_start)
+    monkeypatch.setattr(conv_mod, "_conv_at", rec("conv", fwd))
+    monkeypatch.setattr(conv_mod, "_conv_bwd_at", rec("bwd", bwd))
+    mesh = spmd.Mesh((3,), ("sp",))
+    s = P(None, None, "sp")
+    x = torch.randn(1, 2, 12, 5, dtype=F64, requires_grad=True)
+    w = torch.randn(3, 2, 3, 3, dtype=F64, requires_grad=True)
+    y = spmd.shard_map(lambda x: spmd.ops.conv2d(x, w, padding=1, mesh=mesh, spec=s),
+                       mesh, s, s)(x)
+    forward = list(events)
+    events.clear()
+    y.square().sum().backward()
+    # shard of 4 rows: its own conv on all 4, then each halo row's 1-row slab
+    assert forward == ["send", "conv4", "wait", "conv3", "conv3"]
+    assert events == ["bwd3", "bwd3", "send", "bwd4", "wait"]
+    want = F.conv2d(x.detach().requires_grad_(), w, padding=1)
+    torch.testing.assert_close(y, want, **TOL)
