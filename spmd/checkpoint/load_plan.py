@@ -82,23 +82,14 @@ def plan_load(ents: list[E.Entry], md: Metadata, saved: dict | None, mesh: Mesh,
                   e.value.dtype)
             makers.append(full(e.key, m, e.value.device))
         elif e.kind == "per_rank":
-            vals = {}
-            for r in e.value.values:
-                k = f"{e.key}@rank{r}"
-                m = sdm.get(k)
-                if m is None:
-                    n = (saved or {}).get("ranks", "?")
-                    raise SpecError(
-                        f"spmd.checkpoint.load: {e.key!r} holds one value per rank and the "
-                        f"checkpoint was saved on {n} ranks, so it has none for rank {r}; "
-                        f"leave {e.key!r} out of the template (and start that rank's "
-                        f"value afresh) to load onto a different mesh")
-                if isinstance(m, BytesStorageMetadata):
-                    blobs.append(k)
-                    vals[r] = (k, None)
-                else:
-                    vals[r] = (k, full(k, m, mesh.device))
-            makers.append(_per_rank_maker(vals))
+            n = (saved or {}).get("ranks", "?")
+            makers.append(_per_rank_reads(
+                e.key, e.value.values, sdm, full, blobs, mesh,
+                lambda r, key=e.key, n=n: (
+                    f"{key!r} holds one value per rank and the checkpoint was saved on {n} "
+                    f"ranks, so it has none for rank {r}; leave {key!r} out of the "
+                    f"template (and start that rank's value afresh) to load onto a "
+                    f"different mesh")))
         elif e.kind == "object":
             makers.append(_object_maker(e, saved, d))
         elif e.kind == "as_saved":
@@ -129,6 +120,24 @@ def _sharded_maker(reads: dict[int, torch.Tensor], copies: dict[int, int], lay: 
             out[r] = reads[src].clone()  # every rank holds a tensor of its own
         return Sharded(dict(sorted(out.items())), lay, mesh)
     return make
+
+
+def _per_rank_reads(key: str, ranks, sdm: dict, full, blobs: list[str], mesh: Mesh,
+                    missing) -> Any:
+    """Reads of ``key@rank<r>`` for ``ranks`` (tensors whole, Python values as blobs);
+    ``missing(r)`` words the error for a rank the checkpoint has no value for."""
+    vals = {}
+    for r in ranks:
+        k = f"{key}@rank{r}"
+        m = sdm.get(k)
+        if m is None:
+            raise SpecError(f"spmd.checkpoint.load: {missing(r)}")
+        if isinstance(m, BytesStorageMetadata):
+            blobs.append(k)
+            vals[r] = (k, None)
+        else:
+            vals[r] = (k, full(k, m, mesh.device))
+    return _per_rank_maker(vals)
 
 
 def _per_rank_maker(vals: dict[int, tuple[str, Any]]):
@@ -184,19 +193,10 @@ def _as_saved_maker(e: E.Entry, saved: dict | None, sdm: dict, d: str, full, mes
                             f"saved as a Sharded; the template must say how to hold it: a "
                             f"Layout (shards) or a tensor of its global shape")
         else:  # per_rank
-            vals = {}
-            for r in held:
-                k = f"{key}@rank{r}"
-                m = sdm.get(k)
-                if m is None:
-                    raise SpecError(f"spmd.checkpoint.load: {key!r} (under AS_SAVED "
-                                    f"{e.key!r}) has no value for rank {r}")
-                if isinstance(m, BytesStorageMetadata):
-                    blobs.append(k)
-                    vals[r] = (k, None)
-                else:
-                    vals[r] = (k, full(k, m, mesh.device))
-            makers.append(_per_rank_maker(vals))
+            makers.append(_per_rank_reads(
+                key, held, sdm, full, blobs, mesh,
+                lambda r, key=key: f"{key!r} (under AS_SAVED {e.key!r}) has no value for "
+                                   f"rank {r}"))
 
     def make(values: dict) -> Any:
         return optree.tree_unflatten(treedef, [mk(values) for mk in makers])

@@ -30,6 +30,21 @@ class Work(Protocol):
         """
 
 
+class Pending:
+    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
+
+    __slots__ = ("finish", "result")
+
+    def __init__(self, finish):
+        self.finish, self.result = finish, None
+
+    def wait(self):
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            self.result = finish()
+        return self.result
+
+
 class Comm(Protocol):
     def all_reduce(self, x: torch.Tensor, op: str, group: Group, *, name: str) -> torch.Tensor:
         """Elementwise reduction of ``x`` over the group; same shape on every member."""

@@ -50,7 +50,7 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from . import _header
 from ._header import wire_op
-from .base import REDUCE_OPS, check_scatter
+from .base import REDUCE_OPS, Pending, check_scatter
 from .stats import count
 
 __all__ = ["TorchComm"]
@@ -507,7 +507,7 @@ class TorchComm:
                     seg = seg.clone()
                 res.append(seg.view(dt).view(r[3:3 + r[1]]))
             return res
-        return finish() if wait else _Pending(finish)
+        return finish() if wait else Pending(finish)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index
@@ -791,21 +791,6 @@ def _plan_row(mismatch: tuple | None) -> list[int]:
         return [0, -1] + [-1] * (2 * _ROW)
     sender, exp, got = mismatch
     return [1, sender, *exp, *got]
-
-
-class _Pending:
-    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
-
-    __slots__ = ("finish", "result")
-
-    def __init__(self, finish):
-        self.finish, self.result = finish, None
-
-    def wait(self):
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            self.result = finish()
-        return self.result
 
 
 class _Done:

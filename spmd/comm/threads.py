@@ -23,7 +23,7 @@ import torch
 from ..core._format import describe, shape_str
 from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
-from .base import REDUCE_OPS, check_scatter
+from .base import REDUCE_OPS, Pending, check_scatter
 from .stats import count
 
 __all__ = ["ThreadComm"]
@@ -270,7 +270,7 @@ class ThreadComm:
                                 f"{[list(s) for s in shapes]} but got "
                                 f"{[list(t.shape) for t in got]}")
             return got
-        return _Pending(finish)
+        return Pending(finish)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index
@@ -317,21 +317,6 @@ class ThreadComm:
 
     def open(self, group):
         pass  # a channel is a key of the rendezvous: nothing to set up
-
-
-class _Pending:
-    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
-
-    __slots__ = ("finish", "result")
-
-    def __init__(self, finish):
-        self.finish, self.result = finish, None
-
-    def wait(self):
-        if self.finish is not None:
-            finish, self.finish = self.finish, None
-            self.result = finish()
-        return self.result
 
 
 class _ThreadWork:
