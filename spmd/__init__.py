@@ -28,6 +28,7 @@ The layers, each importing only the ones listed before it:
                   Sharded, a global tensor held as its shards
     mapping.py    shard_map: a per-shard function as one differentiable global call
     ops/, nn/     domain-parallel layers (convolutions, pooling, ...) and nn.convert
+    fft/          torch.fft's transforms on split tensors (slab, pencil), differentiable
     parallel/     GradSync: bucketed, overlapped gradient sync of replicated parameters
     checkpoint/   save and load a training state across meshes (torch's DCP format);
                   to_dtensor / from_dtensor
@@ -39,7 +40,7 @@ Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
 ``spmd.nn.convert`` to make a model domain-parallel; ``spmd.parallel.GradSync`` for
 per-rank training; ``spmd.testing`` to prove an op; the notebooks in ``notebooks/``.
 """
-from . import nn, ops, parallel
+from . import fft, nn, ops, parallel
 from .collectives import (
     all_gather,
     all_to_all,
@@ -90,6 +91,6 @@ __all__ = [
     "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
-    "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel",
+    "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel", "fft",
     "checkpoint", "to_dtensor", "from_dtensor",
 ]

@@ -11,7 +11,7 @@ import spmd.ops
 import spmd.parallel
 import spmd.testing
 
-PACKAGES = [spmd, spmd.ops, spmd.nn, spmd.parallel, spmd.checkpoint, spmd.testing,
+PACKAGES = [spmd, spmd.ops, spmd.fft, spmd.nn, spmd.parallel, spmd.checkpoint, spmd.testing,
             spmd.testing.strategies]
 
 

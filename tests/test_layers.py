@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("transforms",),    # scatter/gather, halo_pad, reduce, redistribute
     ("mapping",),       # shard_map
     ("ops",),           # domain-parallel functional layers
+    ("fft",),           # distributed FFTs: slab and pencil transposes
     ("nn",),            # their modules and convert
     ("parallel", "checkpoint"),  # GradSync; save and load across meshes
     ("run",),           # launch: threads or gloo processes
