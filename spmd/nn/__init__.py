@@ -39,6 +39,7 @@ from .modules import (
     Softmax,
     Upsample,
 )
+from .spectral import FNO, SpectralConv1d, SpectralConv2d, SpectralConv3d
 
 __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
            "ConvTranspose2d", "ConvTranspose3d", "Pad",
@@ -46,4 +47,5 @@ __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTr
            "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
            "GroupNorm", "LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
-           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax"]
+           "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax",
+           "SpectralConv1d", "SpectralConv2d", "SpectralConv3d", "FNO"]
