@@ -314,8 +314,10 @@ def attention(c: Call) -> Any:
     return c.out(c.call(), tuple(lead) + (None, None))
 
 
-_FFT_FIX = ("there is no distributed FFT yet: transform only whole dims (redistribute so "
-            "they are whole first)")
+_FFT_FIX = ("use spmd.fft's transform of the same name (it transposes split dims) in a "
+            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer "
+            "(convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
+            "holds FNO's weights)")
 
 
 def fft(c: Call) -> Any:
