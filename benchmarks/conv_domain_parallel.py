@@ -21,27 +21,15 @@ per step (spmd.comm_stats), halo rows plus the weight-gradient all-reduce.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _timing import median_ms
 
 import spmd
 from spmd import Layout, P
 from spmd.comm import comm_of
-
-
-def _median_ms(step, steps: int) -> float:
-    for _ in range(2):
-        step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def _inputs(shape, c_out, k):
@@ -61,7 +49,7 @@ def single(shape, c_out, k, steps):
     def step():
         y = F.conv2d(x, w, padding=k // 2)
         torch.autograd.grad(y, (x, w), gy)
-    return _median_ms(step, steps)
+    return median_ms(step, steps)
 
 
 def per_rank(mesh, shape, c_out, k, steps):
@@ -116,8 +104,8 @@ def per_rank(mesh, shape, c_out, k, steps):
             gx[:, :, -h:] += down
         dist.all_reduce(gw, group=pg)
 
-    t_spmd = _median_ms(spmd_step, steps)
-    t_hand = _median_ms(hand_step, steps)
+    t_spmd = median_ms(spmd_step, steps)
+    t_hand = median_ms(hand_step, steps)
     with spmd.comm_stats() as s:
         spmd_step()
     return t_spmd, t_hand, s.bytes(rank=mesh.rank)

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 
 import torch
+from _timing import median_ms
 
 import spmd
 import spmd.fft
@@ -35,15 +34,6 @@ from spmd.fft.plan import Transpose
 CASES = [((1, 16, 256, 256), (2, 3)), ((1, 8, 64, 64, 64), (2, 3, 4))]
 
 
-def _median_ms(step, steps: int) -> float:
-    for _ in range(2):
-        step()
-    ts = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def _input(shape):
@@ -64,7 +54,7 @@ def single(mesh, shape, dims, steps):
         y = torch.fft.irfftn(torch.fft.rfftn(x, dim=dims), s=s, dim=dims)
         torch.autograd.grad(y, x, g)
 
-    return _median_ms(call, steps), _median_ms(fwd_bwd, steps)
+    return median_ms(call, steps), median_ms(fwd_bwd, steps)
 
 
 def least_bytes(lay: Layout, dims, rank: int, itemsize: int = 8) -> int:
@@ -103,7 +93,7 @@ def per_rank(mesh, shape, dims, steps):
         with mesh:
             torch.autograd.grad(both(), x, g)
 
-    t_call, t_fb = _median_ms(call, steps), _median_ms(fwd_bwd, steps)
+    t_call, t_fb = median_ms(call, steps), median_ms(fwd_bwd, steps)
     with spmd.comm_stats() as st:
         call()
     return t_call, t_fb, st.bytes(rank=mesh.rank), least_bytes(lay, dims, mesh.rank)

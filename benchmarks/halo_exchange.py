@@ -10,24 +10,12 @@ rank sent (spmd.comm_stats).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import median_ms
 
 import spmd
-
-
-def _median_ms(fn, calls: int) -> float:
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def per_rank(mesh, shape, width, calls):
@@ -35,8 +23,9 @@ def per_rank(mesh, shape, width, calls):
     lay = spmd.Layout(shape, spmd.P(None, "sp"), mesh)
     sizes = list(lay.sizes[1])
     x = torch.randn(lay.local_shape(mesh.rank))
-    halo = _median_ms(lambda: spmd.halo_pad(x, mesh, "sp", 1, (width, width), sizes=sizes), calls)
-    local = _median_ms(lambda: F.pad(x, (0, 0, width, width)), calls)
+    halo = median_ms(lambda: spmd.halo_pad(x, mesh, "sp", 1, (width, width), sizes=sizes),
+                     calls, warmup=5)
+    local = median_ms(lambda: F.pad(x, (0, 0, width, width)), calls, warmup=5)
     with spmd.comm_stats() as s:
         spmd.halo_pad(x, mesh, "sp", 1, (width, width), sizes=sizes)
     return halo, local, s.bytes("halo_pad")
