@@ -34,7 +34,7 @@ from .core._context import LayoutTrace, RankContext, in_rank_of, pop_trace, push
 from .core._format import describe, shape_str
 from .core.errors import SpecError
 from .core.layout import Layout
-from .core.mesh import Mesh
+from .core.mesh import Mesh, check_mesh
 from .core.provenance import mark
 from .core.spec import P
 from .transforms.sharded import Sharded, cat_plan, run_cat_plan, same_cut
@@ -83,8 +83,7 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
         >>> f(torch.arange(10.0))
         tensor(45.)
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"shard_map: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    check_mesh(mesh, "shard_map")
     if not callable(f):
         raise TypeError(f"shard_map: f must be callable, got {describe(f)}")
     _check_spec_tree(in_specs, mesh, "in_specs")
@@ -116,7 +115,7 @@ def _check_spec_tree(specs: Any, mesh: Mesh, root: str) -> None:
                     raise SpecError(f"{_tree.keystr(root, p)} = {s!r} names axis {a!r}, which "
                                     f"{mesh!r} does not have")
         elif isinstance(s, Layout):
-            if s.axis_names != mesh.axis_names or s.mesh_shape != mesh.shape:
+            if not s.is_for(mesh):
                 raise SpecError(f"{_tree.keystr(root, p)} is a Layout for another mesh "
                                 f"({s!r}) than {mesh!r}")
         elif s is not None:

@@ -31,7 +31,7 @@ from ..core._context import current
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P
 from ..transforms.sharded import Sharded
 
@@ -167,8 +167,7 @@ def _as_sharded(x: Any, layout: Layout | None, mesh: Mesh | None) -> Sharded:
                         f"Layout(global_shape, spec, mesh)), got layout={describe(layout)}")
     if mesh is None:
         mesh = current("to_dtensor").mesh
-    elif not isinstance(mesh, Mesh):
-        raise TypeError(f"to_dtensor: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    check_mesh(mesh, "to_dtensor")
     _need_processes(mesh)
     return Sharded.from_local(x, mesh, layout)
 
@@ -306,8 +305,7 @@ def _mesh_for(dm: DeviceMesh, mesh: Mesh | None, dt: DTensor) -> Mesh:
             _mesh_of[dm] = weakref.ref(mesh)
             _device_mesh_of[mesh] = weakref.ref(dm)
         return mesh
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"from_dtensor: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    check_mesh(mesh, "from_dtensor")
     if mesh.backend != "torch":
         raise SpecError(f"from_dtensor: {mesh!r} simulates its ranks as threads of one "
                         f"process; a DTensor's shards live in processes: pass the "

@@ -147,8 +147,7 @@ def flatten(tree: Any, mesh: Mesh, what: str, *, template: bool) -> tuple[list[E
 
 def _entry(key: str, path: tuple, leaf: Any, mesh: Mesh, what: str, template: bool) -> Entry:
     if isinstance(leaf, Sharded):
-        if leaf.mesh is not mesh and (leaf.mesh.shape != mesh.shape
-                                      or leaf.mesh.axis_names != mesh.axis_names):
+        if not leaf.layout.is_for(mesh):
             raise SpecError(f"{what}: {key!r} is a Sharded on {leaf.mesh!r}, not on the "
                             f"mesh given ({mesh!r})")
         return Entry(key, path, "sharded", leaf, leaf.layout)
@@ -156,7 +155,7 @@ def _entry(key: str, path: tuple, leaf: Any, mesh: Mesh, what: str, template: bo
         if not template:
             raise SpecError(f"{what}: {key!r} is a Layout; a state to save holds values "
                             f"(a Sharded, a tensor), a template may hold a Layout")
-        if leaf.axis_names != tuple(mesh.axis_names) or leaf.mesh_shape != tuple(mesh.shape):
+        if not leaf.is_for(mesh):
             raise SpecError(f"{what}: the layout of {key!r} is for a mesh "
                             f"{dict(zip(leaf.axis_names, leaf.mesh_shape))}, not {mesh!r}")
         return Entry(key, path, "sharded", None, leaf)

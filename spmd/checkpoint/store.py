@@ -15,7 +15,6 @@ import copy
 import io
 import os
 import re
-import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,9 +30,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ..comm import comm_of
 from ..core._context import in_rank_of
 from ..core._format import describe
+from ..core._records import OpenRecords
 from ..core.errors import SpecError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..transforms.sharded import Sharded, held_ranks
 from . import entries as E
 from . import versions as V
@@ -83,7 +83,7 @@ def save(state: Any, path: str | os.PathLike, mesh: Mesh, *, keep: int = 1) -> s
     """
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         raise SpecError(f"spmd.checkpoint.save: keep must be an int >= 1, got {keep!r}")
-    _check_mesh(mesh, "spmd.checkpoint.save")
+    check_mesh(mesh, "spmd.checkpoint.save")
     ents, treedef = E.flatten(state, mesh, "spmd.checkpoint.save", template=False)
     root = os.fspath(path)
     tree = optree.tree_unflatten(treedef, [E.marker(e) for e in ents])
@@ -126,7 +126,7 @@ def load(template: Any, path: str | os.PathLike, mesh: Mesh | None = None) -> An
     """
     if mesh is None:
         mesh = Mesh((1,), ("_",), backend="threads")
-    _check_mesh(mesh, "spmd.checkpoint.load")
+    check_mesh(mesh, "spmd.checkpoint.load")
     ents, treedef = E.flatten(template, mesh, "spmd.checkpoint.load", template=True)
     return _run(mesh, _LoadJob(ents, treedef, os.fspath(path), mesh), "spmd.checkpoint.load")
 
@@ -145,8 +145,7 @@ class ReadStats:
     full_reads: int = 0
 
 
-_stats: list[ReadStats] = []
-_stats_lock = threading.Lock()
+_stats: OpenRecords[ReadStats] = OpenRecords()
 
 
 @contextlib.contextmanager
@@ -162,24 +161,16 @@ def read_stats() -> Iterator[ReadStats]:
         >>> st.payload_bytes          # both ranks' halves, as this process holds both
         4000
     """
-    st = ReadStats()
-    with _stats_lock:
-        _stats.append(st)
-    try:
+    with _stats.opened(ReadStats()) as st:
         yield st
-    finally:
-        with _stats_lock:
-            # By identity: ReadStats compare equal by value, and rank threads each
-            # open one.
-            del _stats[next(i for i, s in enumerate(_stats) if s is st)]
 
 
 def _count(payload: int, overhead: int, full: int) -> None:
-    with _stats_lock:
-        for s in _stats:
-            s.payload_bytes += payload
-            s.overhead_bytes += overhead
-            s.full_reads += full
+    def add(s: ReadStats) -> None:
+        s.payload_bytes += payload
+        s.overhead_bytes += overhead
+        s.full_reads += full
+    _stats.each(add)
 
 
 @contextlib.contextmanager
@@ -209,14 +200,10 @@ def _quiet() -> Iterator[None]:
 
 # -- running on processes, rank threads, or one process --------------------------------
 
-def _check_mesh(mesh: Any, what: str) -> None:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
-
-
 def _run(mesh: Mesh, job: Any, what: str) -> Any:
     """Agree on ``job.local_check()`` (a digest of what must match, and this rank's
-    error), then run ``job.run(held, parts)`` once per process.
+    error), then run ``job.run(held, jobs)`` once per process (``jobs``: every rank
+    thread's own, on rank threads; else None).
 
     Processes: one all_gather of (digest, failed) so every rank raises when any rank
     would, then DCP's own collectives. Rank threads: one exchange; its last arrival runs
@@ -248,7 +235,7 @@ def _run(mesh: Mesh, job: Any, what: str) -> Any:
             raise SpecError(errs[r0] if len(errs) == 1 else
                             f"{errs[r0]} (and on ranks {sorted(errs)[1:]})")
         _agree(rows, None, what, list(group.ranks))
-        return payloads[0][2].run(tuple(group.ranks), [p[2].ents for p in payloads])
+        return payloads[0][2].run(tuple(group.ranks), [p[2] for p in payloads])
 
     out = comm.exchange(group, what, (digest, err, job), name=what, combine=combine)
     return out[rank] if isinstance(out, dict) else out
@@ -304,8 +291,8 @@ class _SaveJob:
         objects = [e.value for e in self.ents if e.kind == "object"]
         return E.digest([E.structure(self.ents), objects, _sums(self.ents)]), err
 
-    def run(self, held: tuple[int, ...], parts: list | None) -> str:
-        ents = self.ents if parts is None else _merge_saves(parts, held)
+    def run(self, held: tuple[int, ...], jobs: list[_SaveJob] | None) -> str:
+        ents = self.ents if jobs is None else _merge_saves([j.ents for j in jobs], held)
         mesh, P = self.mesh, self.mesh.size
         tensors: dict[tuple[str, tuple], tuple[torch.Tensor, tuple]] = {}
         blobs: dict[str, Any] = {}
@@ -409,10 +396,16 @@ class _LoadJob:
             err = str(ex)
         return E.digest([E.structure(self.ents)]), err
 
-    def run(self, held: tuple[int, ...], parts: list | None) -> Any:
-        ents = self.ents if parts is None else _merge_templates(parts, held)
-        plan = self.plan if parts is None else plan_load(ents, self.md, self.saved,
-                                                          self.mesh, held, self.dir)
+    def run(self, held: tuple[int, ...], jobs: list[_LoadJob] | None) -> Any:
+        if jobs is None:
+            ents, plan = self.ents, self.plan
+        else:
+            # One plan for all rank threads; each one's own plan (its checks, done) holds
+            # buffers for its shards: let them go before the joint plan makes its own.
+            for j in jobs:
+                j.plan = None
+            ents = _merge_templates([j.ents for j in jobs], held)
+            plan = plan_load(ents, self.md, self.saved, self.mesh, held, self.dir)
         planner = ChunkLoadPlanner(plan.dests, plan.blobs)
         reader = ShardReader(self.dir)
         with _quiet():
@@ -421,7 +414,7 @@ class _LoadJob:
         _count(reader.payload_bytes, reader.overhead_bytes + plan.tree_bytes,
                reader.fallbacks)
         leaves = plan.finish(planner.values)
-        if parts is None:
+        if jobs is None:
             return optree.tree_unflatten(self.treedef, leaves)
         return {r: optree.tree_unflatten(self.treedef, [_own(v, r, r == held[0])
                                                          for v in leaves])

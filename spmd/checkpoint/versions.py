@@ -56,8 +56,7 @@ def begin(root: str, mesh: Mesh, held: tuple[int, ...]) -> str:
     n = 0
     if 0 in held:
         os.makedirs(root, exist_ok=True)
-        nums = [int(m.group(1)) for m in map(VERSION.match, os.listdir(root)) if m]
-        n = max(nums, default=0) + 1
+        n = max((num for num, _ in _versions(root)), default=0) + 1
     if mesh.backend == "torch":
         t = torch.tensor([n], dtype=torch.int64, device=mesh.device)
         n = int(comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names),
@@ -81,13 +80,19 @@ def commit(root: str, version: str, keep: int) -> None:
     # Keep the newest `keep` finished versions (with DCP's .metadata, written last);
     # remove older ones and those a save cut short left without it.
     cur = int(version[1:])
-    vs = sorted((int(m.group(1)), m.group(0))
-                for m in map(VERSION.match, os.listdir(root)) if m)
+    vs = _versions(root)
     done = [name for num, name in vs if num <= cur
             and os.path.isfile(os.path.join(root, name, ".metadata"))]
     for num, name in vs:
         if num <= cur and name not in done[-keep:]:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _versions(root: str) -> list[tuple[int, str]]:
+    """``(number, directory name)`` of every version under ``root``, finished or not,
+    oldest first."""
+    return sorted((int(m.group(1)), m.group(0)) for m in map(VERSION.match, os.listdir(root))
+                  if m)
 
 
 def read_dir(path: str) -> str:

@@ -38,6 +38,13 @@ class Pending:
     def __init__(self, finish):
         self.finish, self.result = finish, None
 
+    @classmethod
+    def done(cls, result) -> Pending:
+        """One that finished at its start (a group of one, nothing to send)."""
+        p = cls(None)
+        p.result = result
+        return p
+
     def wait(self):
         if self.finish is not None:
             finish, self.finish = self.finish, None

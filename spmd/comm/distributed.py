@@ -461,7 +461,7 @@ class TorchComm:
                             f"group of {n}")
         if n == 1:
             out = [_copy(chunks[0])]
-            return out if wait else _Done(out)
+            return out if wait else Pending.done(out)
         rec = self._rec(group)
         seq = self._enter(rec)
         if self.validate:
@@ -791,18 +791,6 @@ def _plan_row(mismatch: tuple | None) -> list[int]:
         return [0, -1] + [-1] * (2 * _ROW)
     sender, exp, got = mismatch
     return [1, sender, *exp, *got]
-
-
-class _Done:
-    """A collective that finished at its start (a group of one)."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result):
-        self.result = result
-
-    def wait(self):
-        return self.result
 
 
 class _TorchWork:

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..core._records import OpenRecords
+
 __all__ = ["comm_stats", "CommStats"]
 
-_lock = threading.Lock()
-_open: list[CommStats] = []
+_open: OpenRecords[CommStats] = OpenRecords()
 _local = threading.local()
 
 
@@ -92,14 +93,8 @@ def comm_stats() -> Iterator[CommStats]:
         >>> s.calls("psum"), s.bytes("psum")
         (2, 8)
     """
-    stats = CommStats()
-    with _lock:
-        _open.append(stats)
-    try:
+    with _open.opened(CommStats()) as stats:
         yield stats
-    finally:
-        with _lock:  # by identity: two open records may be equal (dataclass ==)
-            del _open[next(i for i, o in enumerate(_open) if o is stats)]
 
 
 def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=None) -> None:
@@ -124,9 +119,7 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=N
         raise ValueError(f"unknown collective kind {kind!r}")
     rec = (name, group.axes, group.rank, "backward" if getattr(_local, "backward", 0) else "forward",
            int(nbytes))
-    with _lock:
-        for s in _open:
-            s.records.append(rec)
+    _open.each(lambda s: s.records.append(rec))
 
 
 class in_backward:

@@ -171,6 +171,11 @@ class Layout:
         """Which shard ``rank`` holds along each split dim (equal for replicas)."""
         return self._row(rank)[3]
 
+    def is_for(self, mesh: Any) -> bool:
+        """Whether this layout cuts over ``mesh``'s axes (same names and sizes)."""
+        return self.axis_names == tuple(mesh.axis_names) and \
+            self.mesh_shape == tuple(mesh.shape)
+
     @property
     def replicated_axes(self) -> tuple[str, ...]:
         """Mesh axes the tensor is replicated over (absent from the spec)."""

@@ -9,7 +9,7 @@ import torch
 
 from .errors import SpecError, check_timeout
 
-__all__ = ["Mesh", "Group"]
+__all__ = ["Mesh", "Group", "check_mesh"]
 
 BACKENDS = ("threads", "torch")
 DEFAULT_TIMEOUT = 300.0
@@ -266,3 +266,10 @@ def _torch_device() -> torch.device:
     if "nccl" in str(dist.get_backend()).lower() and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
     return torch.device("cpu")
+
+
+def check_mesh(mesh: object, what: str) -> None:
+    """A ``TypeError`` naming ``what`` unless ``mesh`` is a ``spmd.Mesh``."""
+    if not isinstance(mesh, Mesh):
+        from ._format import describe
+        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")

@@ -55,7 +55,7 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
     """
     rc = on_mesh(mesh, what, x)
     if isinstance(spec, Layout):
-        if spec.axis_names != tuple(mesh.axis_names) or spec.mesh_shape != tuple(mesh.shape):
+        if not spec.is_for(mesh):
             raise SpecError(f"{what}: the layout is for a mesh "
                             f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
                             f"on {mesh!r}")

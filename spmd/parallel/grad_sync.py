@@ -28,7 +28,7 @@ from ..comm.stats import in_backward
 from ..core._context import in_rank_of
 from ..core._format import describe
 from ..core.errors import SpecError
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from .buckets import Bucket, BucketInfo, MiB, assign
 from .startup import broadcast_from_first, check_same_names, check_same_tensors, verify_equal
 
@@ -151,8 +151,7 @@ class GradSync:
         self._what = what
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{what}: module must be a torch.nn.Module, got {describe(module)}")
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
+        check_mesh(mesh, what)
         self.axes: dict[str, str] = _check_axes(axes, mesh, what)
         for arg, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))

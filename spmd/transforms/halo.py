@@ -22,13 +22,13 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
+from ..comm.base import Pending
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -310,7 +310,7 @@ def exchange(x: torch.Tensor, f: Fetch) -> list[torch.Tensor]:
     return exchange_async(x, f).wait()
 
 
-def exchange_async(x: torch.Tensor, f: Fetch) -> Any:
+def exchange_async(x: torch.Tensor, f: Fetch) -> Pending:
     """``exchange`` started: ``.wait()`` returns what arrived. Compute that needs no
     halo (a convolution of the shard itself) runs while the halo travels."""
     sizes, _, _, need, _ = f.plan
@@ -382,7 +382,7 @@ class _Transposing:
 
     __slots__ = ("g", "f", "pending")
 
-    def __init__(self, g: torch.Tensor, f: Fetch, pending: Any):
+    def __init__(self, g: torch.Tensor, f: Fetch, pending: Pending):
         self.g, self.f, self.pending = g, f, pending
 
     def wait(self, *, owned: bool, own_grad: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,26 +436,16 @@ def _transposed(g: torch.Tensor, f: Fetch, got: list[torch.Tensor], owned: bool,
     return gx
 
 
-def _exchange_async(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> Any:
+def _exchange_async(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> Pending:
     """All-to-all of the planned chunks, started; ``counts[s]``: how many elements along
     the dim arrive from member s (known from the plan, so no shape exchange is needed)."""
     if f.axes is None:  # an unsplit dim: this rank holds it all
-        return _Arrived([c.clone() for c in chunks])
+        return Pending.done([c.clone() for c in chunks])
     like = chunks[0].shape
     shapes = [tuple(k if d == f.dim else v for d, v in enumerate(like)) for k in counts]
     with f.rc:  # a backward may run it on another thread
         group = f.rc.mesh.group(f.axes, f.rc.rank)
         return comm_of(f.rc.mesh).all_to_all_async(chunks, group, name=f.name, shapes=shapes)
-
-
-class _Arrived:
-    __slots__ = ("got",)
-
-    def __init__(self, got: list[torch.Tensor]):
-        self.got = got
-
-    def wait(self) -> list[torch.Tensor]:
-        return self.got
 
 
 def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:

@@ -195,7 +195,7 @@ def _sizes(sizes, x: torch.Tensor, spec, split: dict, rc: RankContext,
         return {}
     if isinstance(sizes, Layout):
         lay = sizes
-        if lay.axis_names != tuple(mesh.axis_names) or lay.mesh_shape != tuple(mesh.shape):
+        if not lay.is_for(mesh):
             raise SpecError(f"reduce: sizes is a Layout for another mesh ({lay!r}); this code "
                             f"runs on {mesh!r}")
         if lay.ndim != x.ndim or any(lay.dim_axes(d) != split.get(d, ()) for d in range(x.ndim)):

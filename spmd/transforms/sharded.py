@@ -28,7 +28,7 @@ from ..core._context import in_rank_of
 from ..core._format import describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import as_spec
 
 __all__ = ["Sharded", "assemble", "cat_plan", "check_source", "run_cat_plan",
@@ -61,8 +61,7 @@ class Sharded:
     __slots__ = ("layout", "mesh", "_shards")
 
     def __init__(self, shards: Mapping[int, torch.Tensor], layout: Layout, mesh: Mesh):
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"Sharded: mesh must be a spmd.Mesh, got {describe(mesh)}")
+        check_mesh(mesh, "Sharded")
         if not isinstance(layout, Layout):
             raise TypeError(f"Sharded: layout must be a spmd.Layout, got {describe(layout)}; "
                             f"build one with Layout(shape, spec, mesh) or use "
@@ -285,8 +284,7 @@ def held_ranks(mesh: Mesh) -> tuple[int, ...]:
 
 
 def _own_rank(mesh: Mesh, what: str) -> int:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    check_mesh(mesh, what)
     if not in_rank_of(mesh):
         raise SpecError(f"{what} builds this rank's shard: call it in per-rank code (a torch "
                         f"process, a shard_map body, a function run by spmd.launch); on a "
@@ -296,14 +294,13 @@ def _own_rank(mesh: Mesh, what: str) -> int:
 
 
 def _same_mesh(layout: Layout, mesh: Mesh, what: str) -> None:
-    if layout.axis_names != tuple(mesh.axis_names) or layout.mesh_shape != tuple(mesh.shape):
+    if not layout.is_for(mesh):
         raise SpecError(f"{what}: the layout {layout!r} is for a mesh "
                         f"{dict(zip(layout.axis_names, layout.mesh_shape))}, not {mesh!r}")
 
 
 def _layout_of(spec: Any, shape, mesh: Mesh, what: str) -> Layout:
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
+    check_mesh(mesh, what)
     if isinstance(spec, Layout):
         _same_mesh(spec, mesh, what)
         if spec.shape != tuple(shape):
