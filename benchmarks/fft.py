@@ -16,6 +16,12 @@ slowest rank is done. ``fwd+bwd`` adds the backward of both (from a fixed cotang
 Bytes are what each rank sent per call (spmd.comm_stats), against the least any
 transpose can send: the elements of its shard that change owner, (P-1)/P of it per
 transpose for even splits (computed from the plan's layouts, so exact for uneven ones).
+
+The second table runs a spectral convolution (``spmd.nn.SpectralConv2d/3d``, FNO's layer,
+as many channels out as in, ``--modes`` kept per dim) on the same inputs: its rfftn cuts
+each dim to the kept modes before the next transpose, and its irfftn starts from them,
+so it sends far less than the rfftn + irfftn pair above (the "all modes" column, which
+is what the layer sent before it cut).
 """
 from __future__ import annotations
 
@@ -99,21 +105,63 @@ def per_rank(mesh, shape, dims, steps):
     return t_call, t_fb, st.bytes(rank=mesh.rank), least_bytes(lay, dims, mesh.rank)
 
 
+def _layer(shape, modes, mesh=None, spec=None):
+    torch.manual_seed(0)
+    cls = spmd.nn.SpectralConv2d if len(shape) == 4 else spmd.nn.SpectralConv3d
+    return cls(shape[1], shape[1], modes, mesh=mesh, spec=spec)
+
+
+def layer_single(mesh, shape, modes, steps):
+    torch.set_num_threads(1)
+    conv, x = _layer(shape, modes), _input(shape).requires_grad_()
+    g = torch.randn(shape)
+
+    def call():
+        with torch.no_grad():
+            conv(x)
+
+    return median_ms(call, steps), median_ms(lambda: torch.autograd.grad(conv(x), x, g), steps)
+
+
+def layer_per_rank(mesh, shape, modes, steps):
+    torch.set_num_threads(1)
+    lay = Layout(shape, P(None, None, "sp"), mesh)
+    conv = _layer(shape, modes, mesh, lay)
+    x = lay.shard(_input(shape), mesh.rank).clone().requires_grad_()
+    g = torch.randn(x.shape)
+
+    def call():
+        with mesh, torch.no_grad():
+            conv(x)
+
+    def fwd_bwd():
+        with mesh:
+            torch.autograd.grad(conv(x), x, g)
+
+    t_call, t_fb = median_ms(call, steps), median_ms(fwd_bwd, steps)
+    with spmd.comm_stats() as st:
+        call()
+    return t_call, t_fb, st.bytes(rank=mesh.rank)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--modes", type=int, default=16)
     a = ap.parse_args()
     print(f"spmd.fft rfftn + irfftn, float32, gloo world {a.world} (slab over the first "
           f"transformed dim), 1 thread per process, median of {a.steps}\n")
     print("| input | transformed dims | variant | ms per call | ms fwd+bwd | "
           "bytes sent per rank | least possible | sent / least |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    pair = {}
     for shape, dims in CASES:
         t1, t1b = spmd.launch(single, (1,), ("sp",), args=(shape, dims, a.steps))[0]
         got = spmd.launch(per_rank, (a.world,), ("sp",), backend="gloo",
                           args=(shape, dims, a.steps), timeout=600)
+        pair[shape] = [g[2] for g in got]
         name = f"f32{list(shape)}"
         print(f"| {name} | {len(dims)} | one process | {t1:.1f} | {t1b:.1f} | 0 | 0 | |")
         sent = ", ".join(f"{g[2]:,}" for g in got)
@@ -122,6 +170,21 @@ def main() -> None:
         print(f"| {name} | {len(dims)} | spmd.fft, world {a.world} | "
               f"{max(g[0] for g in got):.1f} | {max(g[1] for g in got):.1f} | {sent} | "
               f"{least} | {ratio:.2f} |")
+    print(f"\nSpectralConv (FNO layer), {a.modes} modes per dim, channels in = out\n")
+    print("| input | variant | ms per call | ms fwd+bwd | bytes sent per rank | "
+          "all modes (rfftn + irfftn above) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for shape, dims in CASES:
+        modes = (a.modes,) * len(dims)
+        t1, t1b = spmd.launch(layer_single, (1,), ("sp",), args=(shape, modes, a.steps))[0]
+        got = spmd.launch(layer_per_rank, (a.world,), ("sp",), backend="gloo",
+                          args=(shape, modes, a.steps), timeout=600)
+        name = f"f32{list(shape)}"
+        print(f"| {name} | one process | {t1:.1f} | {t1b:.1f} | 0 | |")
+        sent = ", ".join(f"{g[2]:,}" for g in got)
+        print(f"| {name} | world {a.world} | {max(g[0] for g in got):.1f} | "
+              f"{max(g[1] for g in got):.1f} | {sent} | "
+              f"{', '.join(f'{b:,}' for b in pair[shape])} |")
 
 
 if __name__ == "__main__":

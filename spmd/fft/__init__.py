@@ -13,6 +13,8 @@ lengths, padding and cropping by ``s`` are all exact.
                    (a slab: one all_to_all, a pencil: two; the inverse runs it backwards)
     transpose.py   one all_to_all between two layouts over the same axes; its backward
                    is the transpose the other way
+    modes.py       the spectral layers' rfftn that keeps only the low modes (each dim cut
+                   before the next transpose) and its inverse
 
 The forward transforms leave the frequency domain in the layout their last transpose
 made (no transpose back: a spectral layer works there), and the inverse transforms go

@@ -28,10 +28,11 @@ from ..mapping import shard_map
 from ..ops._window import input_layout
 from ..transforms.redistribution import redistribute
 from ..transforms.sharded import Sharded, check_source
+from . import modes as _modes
 from . import plan as _plan
 from .transpose import transpose
 
-__all__ = ["transform", "with_layout"]
+__all__ = ["transform", "with_layout", "run", "check"]
 
 _TORCH: dict[str, Callable] = {"fft": torch.fft.fftn, "ifft": torch.fft.ifftn,
                                "rfft": torch.fft.rfftn, "irfft": torch.fft.irfftn}
@@ -129,6 +130,12 @@ def _unsupported(kind: str, dtype: torch.dtype, device: torch.device) -> str | N
     return None
 
 
+def check(what: str, kind: str, x: torch.Tensor, p: _plan.Plan) -> None:
+    """torch.fft's dtype rules for ``x`` running plan ``p`` as ``kind``, on every rank alike."""
+    _check_dtype(what, kind, x)
+    _check_half(what, x, p)
+
+
 def _check_half(what: str, x: torch.Tensor, p: _plan.Plan) -> None:
     """Half precision transforms (cuFFT) take powers of two only."""
     if x.dtype not in (torch.float16, torch.complex32):
@@ -203,7 +210,8 @@ def _stage(x: torch.Tensor, st: _plan.Stage, norm: str | None, rank: int) -> tor
     return out
 
 
-def _run(x: torch.Tensor, rc: RankContext, p: _plan.Plan, norm: str | None) -> torch.Tensor:
+def run(x: torch.Tensor, rc: RankContext, p: _plan.Plan, norm: str | None) -> torch.Tensor:
+    """This rank's shard through the steps of ``p`` (a plan of ``plan.py`` or ``modes.py``)."""
     if p.lifted:
         x = x.unsqueeze(0)
     for st in p.steps:
@@ -211,6 +219,10 @@ def _run(x: torch.Tensor, rc: RankContext, p: _plan.Plan, norm: str | None) -> t
             x = _stage(x, st, norm, rc.rank)
         elif isinstance(st, _plan.Transpose):
             x = transpose(x, rc, st.src, st.layout, st.axes)
+        elif isinstance(st, _modes.Keep):
+            x = _modes.keep(x, st)
+        elif isinstance(st, _modes.Pad):
+            x = _modes.pad(x, st)
         elif isinstance(st, _plan.Crop):
             want = st.layout.local_shape(rc.rank)
             for d, (have, keep) in enumerate(zip(x.shape, want)):
@@ -244,7 +256,7 @@ def transform(kind: str, what: str, family: str, x: Any, n_or_s: Any, dim: Any,
     rc, lay = input_layout(x, mesh, spec, what)
     p = _planned(kind, what, lay, dims, s, _hashable(out_spec))
     _check_half(what, x, p)
-    return _run(x, rc, p, norm)
+    return run(x, rc, p, norm)
 
 
 def _hashable(out_spec: Any) -> Any:

@@ -140,11 +140,13 @@ def test_any_layout_matches_one_device(case):
     check_layer(mesh, lay, modes, out_channels=2, by_layout=by_layout, seed=seed)
 
 
-def test_slab_moves_twice_each_way_and_ranks_without_modes_skip_the_einsum(monkeypatch):
-    """rfft2 and irfft2 take one all_to_all each, forward and backward; nothing else moves
-    (a Layout spec: no size exchange). Only the rank holding the kept W' columns mixes."""
+def test_slab_moves_only_kept_modes_twice_each_way(monkeypatch):
+    """rfft2 and irfft2 take one all_to_all each, forward and backward, and nothing else
+    moves (a Layout spec: no size exchange). The spectrum is cut to its kept modes before
+    it moves: W' = 8 columns would be split [4, 4], the 3 kept ones are split [2, 1], so
+    every rank mixes and the transposes carry 3 columns, not 8."""
     mesh = Mesh((2,), ("sp",))
-    lay = Layout((1, 2, 8, 14), P(None, None, "sp"), mesh)  # W' = 8 columns: 4 and 4
+    lay = Layout((1, 2, 8, 14), P(None, None, "sp"), mesh)  # H = 8 rows: 4 and 4
     conv = SpectralConv2d(2, 2, (2, 3), mesh=mesh, spec=lay, dtype=F64)
     x = torch.randn(lay.shape, dtype=F64, requires_grad=True)
     calls = []
@@ -158,9 +160,14 @@ def test_slab_moves_twice_each_way_and_ranks_without_modes_skip_the_einsum(monke
     with spmd.comm_stats() as stats:
         spmd.shard_map(conv, mesh, lay, lay)(x).sum().backward()
     monkeypatch.undo()
-    assert sorted(calls) == [0, 0]  # two corners, both on rank 0
+    assert sorted(calls) == [0, 0, 1, 1]  # two corners on each rank
+    # complex128 (16 B) x 2 channels x 4 rows x the kept columns: into the spectrum a
+    # rank sends its rows of the other's columns, out of it the other's rows of its own,
+    # so each rank sends 1 + 2 columns' worth (all 8 would be 4 + 4)
     for pass_ in ("forward", "backward"):
         assert stats.calls("fft transpose", pass_=pass_) == 2 * 2  # two transposes, 2 ranks
+        for r in (0, 1):
+            assert stats.bytes("fft transpose", pass_=pass_, rank=r) == 16 * 2 * 4 * (1 + 2)
     assert stats.calls() == stats.calls("fft transpose")
 
 
