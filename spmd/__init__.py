@@ -34,6 +34,8 @@ The layers, each importing only the ones listed before it:
                   to_dtensor / from_dtensor
     run/          launch: one function on every rank, as threads or gloo processes
     testing/      prove your own ops: assert_matches_single_device, check_adjoint, on_mesh
+    perf/         estimate: a step's collectives, memory and compute per rank, predicted
+                  to thousands of ranks with a network model
     viz/, demo/   visualize a layout; the heat-diffusion demo (python -m spmd demo)
 
 Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
@@ -82,6 +84,10 @@ def __getattr__(name: str):
     if name in ("to_dtensor", "from_dtensor"):
         from .checkpoint import dtensor
         return getattr(dtensor, name)
+    if name in ("perf", "estimate"):  # measures and predicts: only on use
+        import importlib
+        perf = importlib.import_module(".perf", __name__)
+        return perf if name == "perf" else perf.estimate
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 
@@ -92,5 +98,5 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel", "fft",
-    "checkpoint", "to_dtensor", "from_dtensor",
+    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate",
 ]

@@ -9,10 +9,11 @@ import spmd.checkpoint
 import spmd.nn
 import spmd.ops
 import spmd.parallel
+import spmd.perf
 import spmd.testing
 
 PACKAGES = [spmd, spmd.ops, spmd.fft, spmd.nn, spmd.parallel, spmd.checkpoint, spmd.testing,
-            spmd.testing.strategies]
+            spmd.testing.strategies, spmd.perf]
 
 
 def _public():

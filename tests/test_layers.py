@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel", "checkpoint"),  # GradSync; save and load across meshes
     ("run",),           # launch: threads or gloo processes
     ("testing", "viz"),  # tools
+    ("perf",),          # estimate and predict a step's cost (uses testing's SavedBytes)
     ("demo",),          # the demo's pieces and its command line
     ("__main__",),      # python -m spmd
 ]

@@ -42,6 +42,13 @@ class CommStats:
     """
 
     records: list[tuple[str, tuple[str, ...], int, str, int]] = field(default_factory=list)
+    details: list[tuple[str, int, int, int]] = field(default_factory=list)
+    """Parallel to ``records`` (same index, same call): ``(kind, group_size, peers,
+    payload)``. ``kind`` is the protocol's collective (``all_reduce``,
+    ``all_reduce_async``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+    ``permute``, ``broadcast``, ``barrier``), ``peers`` the number of other ranks this
+    rank sends a non-empty payload to, ``payload`` the bytes it passes in (its tensor,
+    or all its blocks): what a cost model needs beyond the bytes sent."""
 
     def calls(self, op: str | None = None, *, axes: tuple[str, ...] | str | None = None,
               pass_: str | None = None, rank: int | None = None) -> int:
@@ -103,6 +110,11 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=N
     if not _open:
         return
     n, me = group.size, group.index
+    payload = 0 if x is None else x.nbytes
+    peers = n - 1
+    if kind in ("reduce_scatter", "all_to_all"):
+        payload = sum(c.nbytes for c in chunks)
+        peers = sum(1 for i, c in enumerate(chunks) if i != me and c.nbytes)
     if n == 1 or kind == "barrier":
         nbytes = 0
     elif kind in ("all_reduce", "all_reduce_async"):
@@ -112,14 +124,21 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=N
     elif kind in ("reduce_scatter", "all_to_all"):
         nbytes = sum(c.nbytes for i, c in enumerate(chunks) if i != me)
     elif kind == "permute":
-        nbytes = x.nbytes if any(s == me and d != me for s, d in pairs) else 0
+        peers = sum(1 for s, d in pairs if s == me and d != me)
+        nbytes = x.nbytes if peers else 0
     elif kind == "broadcast":
         nbytes = x.nbytes * (n - 1) if me == src else 0
+        peers = n - 1 if me == src else 0
     else:
         raise ValueError(f"unknown collective kind {kind!r}")
     rec = (name, group.axes, group.rank, "backward" if getattr(_local, "backward", 0) else "forward",
            int(nbytes))
-    _open.each(lambda s: s.records.append(rec))
+    det = (kind, n, peers if n > 1 else 0, int(payload))
+
+    def add(s: CommStats) -> None:
+        s.records.append(rec)
+        s.details.append(det)
+    _open.each(add)
 
 
 class in_backward:
