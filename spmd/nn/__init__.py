@@ -4,6 +4,7 @@ Each layer is a subclass of its ``torch.nn`` twin with the same parameters and
 ``state_dict`` keys; its forward runs the ``spmd.ops`` version on this rank's shard.
 No monkey patching: ``convert`` returns a copy of the model with the layers swapped.
 """
+from .attention import MultiheadAttention
 from .conversion import UNSAFE, convert
 from .modules import (
     SHARDED,
@@ -48,4 +49,5 @@ __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTr
            "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d", "Upsample",
            "GroupNorm", "LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
            "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax",
-           "SpectralConv1d", "SpectralConv2d", "SpectralConv3d", "FNO"]
+           "SpectralConv1d", "SpectralConv2d", "SpectralConv3d", "FNO",
+           "MultiheadAttention"]

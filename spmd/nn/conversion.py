@@ -4,7 +4,7 @@ The copy keeps every layer, parameter and ``state_dict`` key; what changes is ho
 forward runs: under the layout interpreter (``interpreter.py``), which follows which dims
 of every tensor are split and, call by call, passes what acts per position, swaps what
 has a domain-parallel twin (convolutions, pools, interpolation, padding, reductions and
-losses over split dims) and refuses what would be wrong on shards, naming the layer, the
+losses over split dims, attention over a split sequence) and refuses what would be wrong on shards, naming the layer, the
 source line, the split dim and the fix.
 """
 from __future__ import annotations
@@ -54,8 +54,15 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       softmax over split dims run ``spmd.ops``' twins; MSE, L1, smooth L1, Huber,
       cross-entropy and NLL losses run ``spmd.ops``' (one psum), BCE and KL per
       position, then ``spmd.reduce``;
-    - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or ``cat`` along it, ``flatten`` of it, a matmul over it,
-      attention, an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
+    - ``F.scaled_dot_product_attention`` over a split sequence (dim -2 of q, k, v split
+      over the same axes) runs ``spmd.ops.ring_attention``, and ``nn.MultiheadAttention``
+      (``nn.TransformerEncoderLayer``'s too) over a split sequence runs the forward of
+      ``spmd.nn.MultiheadAttention``; attention weights (``need_weights=True``, the
+      layer's default: pass False), dropout in training, a split feature dim and masks
+      whose rows are not split like the queries are refused;
+    - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
+      ``cat`` along it, ``flatten`` of it, a matmul over it, an FFT over it, a
+      ``linspace`` of this rank's size, ...) are refused.
 
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
     rank's rows) and the backward of a user's ``torch.autograd.Function``.

@@ -21,6 +21,7 @@ from .conv import (
     conv_transpose3d,
 )
 from .exp_normalization import log_softmax, logsumexp, softmax
+from .head_parallel import head_parallel_attention
 from .interpolation import interpolate
 from .losses import cross_entropy, huber_loss, l1_loss, mse_loss, nll_loss, smooth_l1_loss
 from .normalization import (
@@ -40,6 +41,7 @@ from .pool import (
     max_pool2d,
     max_pool3d,
 )
+from .ring import ring_attention, zigzag_order
 
 __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "conv_transpose3d", "pad", "interpolate",
@@ -48,4 +50,5 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d",
            "moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm",
            "softmax", "log_softmax", "logsumexp",
-           "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy"]
+           "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy",
+           "ring_attention", "zigzag_order", "head_parallel_attention"]

@@ -49,6 +49,7 @@ from .mixing import (
     layer_norm,
     linear,
     matmul,
+    multi_head_attention,
     pairwise,
     per_channel,
     pixel_shuffle,
@@ -229,8 +230,7 @@ _RULES: dict[str, Callable] = {
     "mv": matmul, "einsum": einsum, "embedding": embedding, "one_hot": one_hot,
     "view_as_real": view_as_real, "view_as_complex": view_as_complex,
     "scaled_dot_product_attention": attention,
-    "multi_head_attention_forward": refuse_if_split(
-        "attends over positions", "there is no domain-parallel attention yet"),
+    "multi_head_attention_forward": multi_head_attention,
     "cosine_similarity": pairwise, "pairwise_distance": pairwise,
     "dropout1d": random_like_mask, "dropout2d": random_like_mask,
     "dropout3d": random_like_mask, "feature_alpha_dropout": random_like_mask,
