@@ -40,6 +40,7 @@ from .modules import (
     Softmax,
     Upsample,
 )
+from .neighborhood import NeighborhoodAttention2d
 from .spectral import FNO, SpectralConv1d, SpectralConv2d, SpectralConv3d
 
 __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d",
@@ -50,4 +51,4 @@ __all__ = ["convert", "UNSAFE", "SHARDED", "Conv1d", "Conv2d", "Conv3d", "ConvTr
            "GroupNorm", "LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
            "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "Softmax", "LogSoftmax",
            "SpectralConv1d", "SpectralConv2d", "SpectralConv3d", "FNO",
-           "MultiheadAttention"]
+           "NeighborhoodAttention2d", "MultiheadAttention"]

@@ -24,6 +24,12 @@ from .exp_normalization import log_softmax, logsumexp, softmax
 from .head_parallel import head_parallel_attention
 from .interpolation import interpolate
 from .losses import cross_entropy, huber_loss, l1_loss, mse_loss, nll_loss, smooth_l1_loss
+from .neighborhood_attention import (
+    neighborhood_attention1d,
+    neighborhood_attention2d,
+    neighborhood_attention3d,
+    neighborhood_attention_reference,
+)
 from .normalization import (
     batch_norm,
     group_norm,
@@ -51,4 +57,6 @@ __all__ = ["conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
            "moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm",
            "softmax", "log_softmax", "logsumexp",
            "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy",
-           "ring_attention", "zigzag_order", "head_parallel_attention"]
+           "ring_attention", "zigzag_order", "head_parallel_attention",
+           "neighborhood_attention1d", "neighborhood_attention2d",
+           "neighborhood_attention3d", "neighborhood_attention_reference"]

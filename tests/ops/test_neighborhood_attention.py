@@ -1,0 +1,451 @@
+"""spmd.ops.neighborhood_attention1d/2d/3d and neighborhood_attention_reference.
+
+- The reference equals a brute-force masked SDPA whose (query, key) mask and bias are
+  built position by position from NATTEN's window rules (its window-start formula for
+  the edge shift, the dilation groups as explicit lists, the rpb offset per dim).
+- The sharded ops equal the reference, values and gradients of q, k, v and rpb, for
+  every kernel (1..7, even and odd), dilation (1..3), causal dim, mesh shape (1-4 ranks
+  on one dim, a (2, 2) mesh over two spatial dims or over one as a product, a split
+  batch) and uneven split (empty shards, shards narrower than the halo: several hops).
+- Only the needed key/value rows move, in forward and back in backward.
+- Bad arguments raise SpecError on every rank before data moves.
+
+Tolerance: float64, rtol = atol = 1e-10. The sharded kernel computes each query's scores
+and softmax from the same products as one device; only the order of additions differs
+(the reference sums over the gathered window at once, the kernel in slot chunks, and
+halo gradients are added after the local ones): a few ulps for O(1) values. The SDPA
+comparison uses the same tolerance (float64 both).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _ops import errors_on_every_rank
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import spmd
+from spmd import Layout, P
+from spmd.ops import (
+    neighborhood_attention1d,
+    neighborhood_attention2d,
+    neighborhood_attention3d,
+    neighborhood_attention_reference,
+)
+from spmd.testing import assert_matches_single_device
+from spmd.testing import strategies as sst
+
+F64 = torch.float64
+TOL = dict(rtol=1e-10, atol=1e-10)
+OPS = {1: neighborhood_attention1d, 2: neighborhood_attention2d, 3: neighborhood_attention3d}
+
+
+# -- brute force: NATTEN's rules, one (query, key) pair at a time --------------------------------
+
+def natten_window(i: int, L: int, k: int, d: int, causal: bool) -> list[tuple[int, int]]:
+    """[(key position, rpb index)] of query ``i`` along one dim of length ``L``."""
+    group = list(range(i % d, L, d))  # the query's dilation group, as positions
+    t, n = group.index(i), len(group)
+    if causal:
+        start, stop = max(t - k + 1, 0), t + 1
+    else:
+        left, right = k // 2, k // 2 + k % 2 - 1
+        start = max(t - left, 0) + (n - right - t - 1 if t + right >= n else 0)
+        stop = start + k
+    return [(group[u], u - t + k - 1) for u in range(start, stop)]
+
+
+def brute_mask(shape, ks, ds, cs):
+    """Per dim, ``allowed[L, L]`` and ``rel[L, L]`` (rpb index; 0 where not allowed)."""
+    out = []
+    for L, k, d, c in zip(shape, ks, ds, cs):
+        allowed = torch.zeros(L, L, dtype=torch.bool)
+        rel = torch.zeros(L, L, dtype=torch.long)
+        for i in range(L):
+            for j, r in natten_window(i, L, k, d, c):
+                allowed[i, j], rel[i, j] = True, r
+        out.append((allowed, rel))
+    return out
+
+
+def brute_force(q, k, v, ks, ds, cs, rpb=None, scale=None):
+    """Masked SDPA over all tokens with the mask and bias of ``brute_mask``."""
+    n = q.ndim - 3
+    spatial = q.shape[1:1 + n]
+    per_dim = brute_mask(spatial, ks, ds, cs)
+    allowed = torch.ones((), dtype=torch.bool)
+    idx = []
+    for i, (a, r) in enumerate(per_dim):  # broadcast as [L_0.., L_0..] (queries, keys)
+        shape = [1] * (2 * n)
+        shape[i], shape[n + i] = a.shape
+        allowed = allowed & a.view(shape)
+        idx.append(r.view(shape))
+    H = q.shape[-2]
+    bias = torch.zeros((H, *allowed.shape), dtype=q.dtype)
+    if rpb is not None:
+        bias = rpb[(slice(None), *idx)]
+    bias = bias.masked_fill(~allowed, float("-inf"))
+    T = allowed[(...,) + (0,) * n].numel()
+    mask = bias.reshape(H, T, T)
+    flat = lambda t: t.flatten(1, n).transpose(1, 2)  # noqa: E731 - [B, H, T, D]
+    y = F.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=mask, scale=scale)
+    return y.transpose(1, 2).reshape(*q.shape[:-1], v.shape[-1])
+
+
+def _qkv(shape, heads=2, dim=3, dim_v=None, seed=0, rpb_ks=None):
+    g = torch.Generator().manual_seed(seed)
+    full = (*shape[:1], *shape[1:], heads)
+    q = torch.randn(*full, dim, generator=g, dtype=F64)
+    k = torch.randn(*full, dim, generator=g, dtype=F64)
+    v = torch.randn(*full, dim_v or dim, generator=g, dtype=F64)
+    rpb = None if rpb_ks is None else torch.randn(heads, *(2 * kk - 1 for kk in rpb_ks),
+                                                  generator=g, dtype=F64)
+    return q, k, v, rpb
+
+
+# -- the reference against brute force -----------------------------------------------------------
+
+@pytest.mark.parametrize("k", range(2, 8))
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_reference_is_brute_force_1d(k, d):
+    L = k * d + 2
+    for causal in (False, True):
+        for with_rpb in (False, True):
+            q, kk, v, rpb = _qkv((2, L), rpb_ks=(k,) if with_rpb else None, seed=k + 10 * d)
+            got = neighborhood_attention_reference(q, kk, v, k, d, causal, rpb=rpb)
+            torch.testing.assert_close(got, brute_force(q, kk, v, (k,), (d,), (causal,), rpb),
+                                       **TOL)
+
+
+@st.composite
+def geometries(draw, n=None, max_k=None):
+    n = n or draw(st.integers(1, 3))
+    max_k = max_k or {1: 7, 2: 5, 3: 3}[n]
+    ks = tuple(draw(st.integers(1, max_k)) for _ in range(n))
+    ds = tuple(draw(st.integers(1, 3 if n < 3 else 2)) for _ in range(n))
+    cs = tuple(draw(st.booleans()) for _ in range(n))
+    extra = {1: 6, 2: 3, 3: 1}[n]
+    spatial = tuple(kk * dd + draw(st.integers(0, extra)) for kk, dd in zip(ks, ds))
+    return spatial, ks, ds, cs
+
+
+@settings(max_examples=60)
+@given(geo=geometries(), with_rpb=st.booleans(), dim_v=st.sampled_from([None, 2]),
+       seed=st.integers(0, 99))
+def test_reference_is_brute_force(geo, with_rpb, dim_v, seed):
+    spatial, ks, ds, cs = geo
+    q, k, v, rpb = _qkv((2, *spatial), dim_v=dim_v, seed=seed, rpb_ks=ks if with_rpb else None)
+    scale = 0.7 if seed % 2 else None
+    args = [t.requires_grad_() for t in (q, k, v) + ((rpb,) if with_rpb else ())]
+    got = neighborhood_attention_reference(q, k, v, ks, ds, cs, rpb=rpb, scale=scale)
+    torch.testing.assert_close(got, brute_force(q, k, v, ks, ds, cs, rpb, scale), **TOL)
+    # the fast kernel on one device (mesh=None), values and gradients
+    op = OPS[len(spatial)]
+    fast = op(q, k, v, ks, ds, cs, rpb=rpb, scale=scale)
+    torch.testing.assert_close(fast, got, **TOL)
+    w = torch.randn(fast.shape, dtype=F64)
+    want = torch.autograd.grad((got * w).sum(), args)
+    for a, b in zip(torch.autograd.grad((fast * w).sum(), args), want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_even_kernel_puts_one_more_position_before_the_query():
+    (allowed, rel), = brute_mask((10,), (4,), (1,), (False,))
+    assert allowed[5].nonzero().flatten().tolist() == [3, 4, 5, 6]
+    assert allowed[0].nonzero().flatten().tolist() == [0, 1, 2, 3]  # shifted inward
+    assert allowed[9].nonzero().flatten().tolist() == [6, 7, 8, 9]
+    assert rel[9, 6:].tolist() == [0, 1, 2, 3]  # offsets -3..0: rpb indices 0..3
+
+
+def test_dilation_groups_and_causal_windows():
+    (allowed, _), = brute_mask((7,), (2,), (3,), (False,))
+    # groups {0, 3, 6}, {1, 4}, {2, 5}: 4 is the last of its group, its window shifts back
+    assert allowed[4].nonzero().flatten().tolist() == [1, 4]
+    assert allowed[0].nonzero().flatten().tolist() == [0, 3]
+    (allowed, rel), = brute_mask((7,), (3,), (2,), (True,))
+    assert allowed[5].nonzero().flatten().tolist() == [1, 3, 5]
+    assert allowed[2].nonzero().flatten().tolist() == [0, 2]  # short at the start
+    assert rel[2, [0, 2]].tolist() == [1, 2]
+
+
+# -- sharded against the reference ----------------------------------------------------------------
+
+def run_sharded(mesh, lay, ks, ds, cs, *, with_rpb, dim_v=None, by_layout=False, seed=0,
+                heads=2, dim=3):
+    """The sharded op on ``lay`` (q's layout) against the reference: outputs, gradients
+    of q, k, v and rpb (float64, TOL)."""
+    n = len(ks)
+    q, k, v, rpb = _qkv((lay.shape[0], *lay.shape[1:1 + n]), heads, dim, dim_v, seed,
+                        ks if with_rpb else None)
+    assert tuple(q.shape) == lay.shape
+    given_sizes = {d: lay.sizes[d] for d in lay.split_dims} or None
+    v_lay = Layout(v.shape, lay.spec, mesh, given_sizes)
+    spec = lay if by_layout else lay.spec
+    op = OPS[n]
+    params = (rpb,) if with_rpb else ()
+
+    def local(q, k, v, *p):
+        return op(q, k, v, ks, ds, cs, rpb=p[0] if p else None, mesh=mesh, spec=spec)
+
+    def glob(q, k, v, *p):
+        return neighborhood_attention_reference(q, k, v, ks, ds, cs, rpb=p[0] if p else None)
+
+    out_lay = op.output_layout(lay, v.shape[-1])
+    return assert_matches_single_device(local, glob, mesh, (lay, lay, v_lay), out_lay, q, k, v,
+                                        params=params, seed=seed, **TOL)
+
+
+@st.composite
+def sharded_cases(draw, n):
+    kind = draw(st.sampled_from(["1d", "dp_sp", "xy_product"] + (["2d"] if n >= 2 else [])))
+    spatial, ks, ds, cs = draw(geometries(n))
+    batch = draw(st.integers(1, 2))
+    if kind == "1d":
+        mesh = draw(sst.meshes(4, ndims=1))
+        d = draw(st.integers(1, n))
+        spec = P(*([None] * d), "sp")
+    elif kind == "dp_sp":
+        mesh, batch = spmd.Mesh((2, 2), ("dp", "sp")), 2
+        spec = P("dp", *([None] * (n - 1)), "sp")
+    elif kind == "xy_product":
+        mesh, spec = spmd.Mesh((2, 2), ("x", "y")), P(None, ("x", "y"))
+    else:
+        mesh, spec = spmd.Mesh((2, 2), ("x", "y")), P(None, "x", "y")
+    shape = (batch, *spatial, 2, 3)
+    lay = draw(sst.layouts(shape, mesh, spec))
+    lay = Layout(shape, spec, mesh, {d: lay.sizes[d] for d in lay.split_dims if d >= 1} or None)
+    return dict(mesh=mesh, lay=lay, ks=ks, ds=ds, cs=cs, with_rpb=draw(st.booleans()),
+                dim_v=draw(st.sampled_from([None, 2])), by_layout=draw(st.booleans()),
+                seed=draw(st.integers(0, 99)))
+
+
+def _run(c):
+    run_sharded(c.pop("mesh"), c.pop("lay"), c.pop("ks"), c.pop("ds"), c.pop("cs"), **c)
+
+
+@settings(max_examples=80)
+@given(c=sharded_cases(1))
+def test_sharded_1d_matches_reference(c):
+    _run(c)
+
+
+@settings(max_examples=60)
+@given(c=sharded_cases(2))
+def test_sharded_2d_matches_reference(c):
+    _run(c)
+
+
+@settings(max_examples=25)
+@given(c=sharded_cases(3))
+def test_sharded_3d_matches_reference(c):
+    _run(c)
+
+
+@pytest.mark.parametrize("k,d,causal", [(7, 1, False), (5, 3, False), (4, 2, True), (6, 2, False)])
+def test_narrow_and_empty_shards_read_several_ranks_away(k, d, causal):
+    """Shards of 1 and 0 rows next to a wide one: windows reach across several ranks."""
+    mesh = spmd.Mesh((5,), ("sp",))
+    L = 20
+    lay = Layout((2, L, 2, 3), P(None, "sp"), mesh, {1: (1, 0, 2, 15, 2)})
+    run_sharded(mesh, lay, (k,), (d,), (causal,), with_rpb=True, seed=k)
+
+
+def test_two_split_spatial_dims_fetch_the_corners():
+    mesh = spmd.Mesh((2, 3), ("x", "y"))
+    lay = Layout((1, 9, 8, 2, 3), P(None, "x", "y"), mesh, {1: (3, 6), 2: (1, 0, 7)})
+    run_sharded(mesh, lay, (5, 3), (1, 2), (False, True), with_rpb=True, by_layout=True)
+
+
+# -- bytes: exactly the needed rows --------------------------------------------------------------
+
+def needed_rows(L, k, d, causal, sizes):
+    (allowed, _), = brute_mask((L,), (k,), (d,), (causal,))
+    out, start = [], 0
+    for s in sizes:
+        keys = set(allowed[start:start + s].nonzero()[:, 1].tolist())
+        out.append((len(keys), len(keys - set(range(start, start + s)))))
+        start += s
+    return out  # (window rows, halo rows) per rank
+
+
+@pytest.mark.parametrize("k,d,causal,sizes", [
+    (5, 1, False, (6, 6, 6)), (4, 3, False, (2, 9, 1, 6)), (3, 2, True, (5, 0, 13)),
+    (7, 2, False, (1, 3, 14)),
+])
+def test_only_the_needed_key_value_rows_move_1d(k, d, causal, sizes):
+    mesh = spmd.Mesh((len(sizes),), ("sp",))
+    L, B, H, D, Dv = sum(sizes), 2, 2, 3, 4
+    lay = Layout((B, L, H, D), P(None, "sp"), mesh, {1: sizes})
+    with spmd.comm_stats() as stats:
+        run_sharded(mesh, lay, (k,), (d,), (causal,), with_rpb=False, dim_v=Dv, by_layout=True)
+    halo = sum(h for _, h in needed_rows(L, k, d, causal, sizes))
+    want = halo * B * H * (D + Dv) * 8
+    what = "neighborhood_attention1d"
+    assert stats.bytes(what, pass_="forward") == want > 0
+    assert stats.bytes(what, pass_="backward") == want
+    assert stats.calls(what) == 2 * 2 * len(sizes)  # k and v, forward and backward
+    assert stats.bytes() == 2 * want  # nothing else: no size exchange with a Layout
+
+
+def test_only_the_needed_tokens_move_2d():
+    mesh = spmd.Mesh((2, 2), ("x", "y"))
+    s0, s1 = (4, 7), (2, 8)
+    ks, ds, cs = (3, 4), (2, 1), (False, True)
+    lay = Layout((1, 11, 10, 2, 3), P(None, "x", "y"), mesh, {1: s0, 2: s1})
+    with spmd.comm_stats() as stats:
+        run_sharded(mesh, lay, ks, ds, cs, with_rpb=True, by_layout=True)
+    w0 = needed_rows(11, ks[0], ds[0], cs[0], s0)
+    w1 = needed_rows(10, ks[1], ds[1], cs[1], s1)
+    tokens = sum(w0[a][0] * w1[b][0] - s0[a] * s1[b] for a in range(2) for b in range(2))
+    want = tokens * 2 * 3 * 2 * 8  # heads x head_dim x (k and v) x float64
+    assert stats.bytes("neighborhood_attention2d", pass_="forward") == want
+    assert stats.bytes("neighborhood_attention2d", pass_="backward") == want
+
+
+def test_sizes_exchange_once_with_a_P_spec_and_nothing_moves_without_a_split():
+    mesh = spmd.Mesh((2,), ("sp",))
+    q, k, v, _ = _qkv((1, 6, 5))
+    f = lambda q, k, v: neighborhood_attention2d(q, k, v, 3, mesh=mesh, spec=P(None, "sp"))  # noqa: E731
+    with spmd.comm_stats() as stats:
+        spmd.shard_map(f, mesh, (P(None, "sp"),) * 3, P(None, "sp"))(q, k, v)
+    assert stats.calls("neighborhood_attention2d sizes") == 2
+    g = lambda q, k, v: neighborhood_attention2d(q, k, v, 3, mesh=mesh, spec=P("sp"))  # noqa: E731
+    with spmd.comm_stats() as stats:
+        y = spmd.shard_map(g, mesh, (P("sp"),) * 3, P("sp"))(*(t.expand(2, *t.shape[1:])
+                                                              for t in (q, k, v)))
+    assert stats.calls("neighborhood_attention2d") == 0  # a split batch moves nothing
+    torch.testing.assert_close(y[1], neighborhood_attention_reference(q, k, v, 3)[0], **TOL)
+
+
+def test_saves_the_shard_and_halo_of_k_and_v_the_output_and_lse_only():
+    """Per rank, autograd keeps the fetched windows of k and v (shard + halo rows), the
+    output and the log-sum-exp, never the kernel_size-fold gathered keys or scores."""
+    from spmd.testing.memory import SavedBytes
+    mesh = spmd.Mesh((3,), ("sp",))
+    B, L, H, D, kk = 2, 18, 2, 4, 5
+    lay = Layout((B, L, H, D), P(None, "sp"), mesh)
+    q, k, v, _ = _qkv((B, L), H, D)
+    got = {}
+
+    def body(q, k, v):
+        with SavedBytes(skip=(q, k, v)) as saved:
+            y = neighborhood_attention1d(q, k, v, kk, mesh=mesh, spec=lay)
+        got[mesh.rank] = saved.total
+        return y
+
+    spmd.shard_map(body, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
+    halo = [2, 4, 2]  # kernel 5: 2 rows from each neighbour
+    for r in range(3):
+        n = lay.sizes[1][r]
+        want = 2 * B * (n + halo[r]) * H * D * 8 + B * n * H * D * 8 + B * n * H * 8
+        assert got[r] == want, (r, got[r], want)
+
+
+def test_double_backward_matches_the_reference():
+    q, k, v, rpb = _qkv((1, 7), rpb_ks=(3,))
+    args = [t.requires_grad_() for t in (q, k, v, rpb)]
+
+    def gg(fn):
+        y = fn(q, k, v, 3, 2, rpb=rpb)
+        g = torch.autograd.grad(y.square().sum(), args, create_graph=True)
+        return torch.autograd.grad(sum(t.sin().sum() for t in g), args)
+
+    for a, b in zip(gg(neighborhood_attention1d), gg(neighborhood_attention_reference)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_float32_and_bfloat16_follow_the_float64_reference():
+    q, k, v, rpb = _qkv((2, 9, 8), rpb_ks=(3, 5))
+    want = neighborhood_attention_reference(q, k, v, (3, 5), rpb=rpb)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        got = neighborhood_attention2d(*(t.to(dtype) for t in (q, k, v)), (3, 5),
+                                       rpb=rpb.to(dtype))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.to(F64), want, rtol=tol, atol=tol)
+
+
+# -- gloo ------------------------------------------------------------------------------------------
+
+def _gloo_case(mesh):
+    lay = Layout((2, 9, 6, 2, 3), P(None, "sp"), mesh, {1: (2, 7)})
+    run_sharded(mesh, lay, (4, 3), (2, 1), (False, True), with_rpb=True, dim_v=2)
+    run_sharded(mesh, Layout((1, 10, 2, 3), P(None, "sp"), mesh), (4,), (2,), (True,),
+                with_rpb=False)
+    return True
+
+
+@pytest.mark.gloo
+def test_sharded_matches_reference_on_gloo_world_2(gloo2):
+    assert gloo2.run(_gloo_case, (2,), ("sp",)) == [True, True]
+
+
+# -- errors: SpecError (or TypeError) on every rank, before data moves -------------------------
+
+SP = P(None, "sp")
+
+
+def _call(spec=SP, shape=(1, 8, 2, 3), ks=3, ds=1, cs=False, k_shape=None,
+          v_shape=None, rpb=None, mesh_arg=None, by_layout=True):
+    """Per-rank code calling the op with one bad argument; with ``by_layout`` the spec is
+    a Layout (no size exchange: nothing at all may move before the error)."""
+    def fn(mesh):
+        try:
+            lay = Layout(shape, spec, mesh)
+            local = lay.local_shape(mesh.rank)
+        except spmd.SpecError:  # a spec the op must refuse itself
+            lay, local = None, shape
+        q = torch.randn(local, dtype=F64)
+        k = torch.randn(k_shape or local, dtype=F64)
+        v = torch.randn(v_shape or local, dtype=F64)
+        OPS[len(shape) - 3](q, k, v, ks, ds, cs, rpb=rpb, mesh=mesh_arg or mesh,
+                            spec=lay if by_layout and lay is not None else spec)
+    return fn
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ks=5, ds=2), r"kernel_size 5 x dilation 2 = 10 positions do not fit"),
+    (dict(ks=9), r"do not fit in spatial dim 0"),
+    (dict(ds=0), r"dilation must be at least 1"),
+    (dict(ds=(1, 2)), r"dilation must be an int or 1 ints"),
+    (dict(ks=0), r"kernel_size must be at least 1"),
+    (dict(cs="yes"), r"is_causal must be a bool"),
+    (dict(spec=P(None, None, "sp")), r"splits dim 2 \(heads\)"),
+    (dict(spec=P(None, None, None, "sp")), r"splits dim 3 \(head_dim\)"),
+    (dict(spec=P(None, "zz")), r"'zz'"),
+    (dict(k_shape=(1, 4, 2, 2)), r"k \(f64\[1, 4, 2, 2\]\) must have the shape of q"),
+    (dict(v_shape=(1, 4, 3, 3)), r"v \(f64\[1, 4, 3, 3\]\) must match q"),
+    (dict(rpb=torch.zeros(2, 3)), r"rpb must be \[heads, 2 \* kernel_size - 1"),
+])
+def test_bad_arguments_raise_spec_error_on_every_rank_before_data_moves(kwargs, match):
+    fn = _call(**kwargs, by_layout="spec" not in kwargs)
+    got, stats = errors_on_every_rank(fn)
+    for err, msg in got:
+        assert err is spmd.SpecError, (err, msg)
+        assert re.search(match, msg), msg
+    assert stats.calls() == 0
+
+
+def test_kernel_too_large_with_a_P_spec_raises_after_the_size_exchange_only():
+    got, stats = errors_on_every_rank(_call(ks=5, ds=2, by_layout=False))
+    assert all(err is spmd.SpecError and "do not fit" in msg for err, msg in got)
+    assert stats.calls("neighborhood_attention1d") == 0  # no data moved
+    assert stats.calls() == stats.calls("neighborhood_attention1d sizes") == 2
+
+
+def test_wrong_mesh_and_type_errors():
+    other = spmd.Mesh((2,), ("sp",))
+    got, stats = errors_on_every_rank(_call(mesh_arg=other))
+    assert all(err is spmd.SpecError and "different Mesh objects" in msg for err, msg in got)
+    assert stats.calls() == 0
+    q = torch.zeros(1, 4, 1, 2)
+    with pytest.raises(TypeError, match="pass mesh= too"):
+        neighborhood_attention1d(q, q, q, 3, spec=P(None))
+    with pytest.raises(TypeError, match="share a dtype"):
+        neighborhood_attention1d(q, q.double(), q, 3)
+    with pytest.raises(TypeError, match="floating point"):
+        neighborhood_attention1d(q.long(), q, q, 3)
+    with pytest.raises(spmd.SpecError, match="heads-last"):
+        neighborhood_attention2d(q, q, q, 3)
