@@ -90,3 +90,20 @@ def assert_only_halo_bytes(stats, op: str, in_sizes, out_sizes, window, L: int,
     assert stats.bytes(op, pass_="backward") == want  # the transpose sends them back
     assert stats.calls() == 2 * len(in_sizes)  # no size exchange
     assert stats.bytes() == 2 * want
+
+
+def adam_steps(params, loss_fn: Callable[[], torch.Tensor], steps: int = 3,
+               lr: float = 1e-2) -> list[float]:
+    """``steps`` Adam steps on ``params`` (a module's, or an iterable) from ``loss_fn()``;
+    the losses. The model tests train a sharded model and its one-device twin with it."""
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    opt = torch.optim.Adam(params, lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -23,7 +23,7 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
-from ..mapping import shard_map
+from ..mapping import _graph_leaves, shard_map
 from ..nn import convert
 from ..testing.memory import SavedBytes
 
@@ -234,7 +234,8 @@ def run(setup: Setup, mesh: Mesh, args: tuple) -> Run:
             if outer:  # shard_map's own list (under grad mode): its backward needs them
                 outer[-1].extend(anchors)
             if params is None and current(WHO).rank == 0:
-                graph_leaves(out, {id(t) for t in [*ins, *anchors]}, found)
+                _graph_leaves([t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)],
+                              {id(t) for t in [*ins, *anchors]}, found)
                 before.update({k: (v, _kept(v)) for k, v in found.items() if k not in before})
             return out
         rank = current(WHO).rank
@@ -271,21 +272,6 @@ def _kept(p: torch.Tensor) -> torch.Tensor | None:
     return None if p.grad is None else p.grad.detach().clone()
 
 
-def graph_leaves(out: Any, exclude: set[int], found: dict[int, torch.Tensor]) -> None:
-    """Add to ``found`` the leaf tensors requiring grad that ``out``'s graph reaches,
-    other than ``exclude`` (the inputs)."""
-    stack = [o.grad_fn for o in _tree.flatten(out)[0]
-             if isinstance(o, torch.Tensor) and o.grad_fn is not None]
-    seen: set[int] = set()
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        v = getattr(fn, "variable", None)
-        if isinstance(v, torch.Tensor) and id(v) not in exclude and id(v) not in found:
-            found[id(v)] = v
-        stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
 
 
 def time_compute(setup: Setup, names: tuple[str, ...], args: tuple, device: torch.device | None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _ops import adam_steps
 from torch import nn
 
 import spmd
@@ -245,18 +246,6 @@ def _vit_data(B=3, side=(3, 4), patch=4, out=3, seed=0):
     return patches, coords.contiguous(), torch.randn(B, out, generator=g, dtype=F64)
 
 
-def _train(step_loss, params, steps=3):
-    opt = torch.optim.Adam(params, lr=0.05)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = step_loss()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("side", [(3, 4), (2, 5)])
 def test_vit_trains_3_adam_steps_like_one_device_on_dp_sp_mesh(side):
     """Batch 3 over dp=2 ([2, 1]); 12 tokens over sp=3 ([4, 4, 4]) or 10 ([4, 3, 3]):
@@ -268,7 +257,7 @@ def test_vit_trains_3_adam_steps_like_one_device_on_dp_sp_mesh(side):
     patches, coords, t = _vit_data(side=side)
     ref = TinyViT().double()
     ref.load_state_dict(model.state_dict())
-    want = _train(lambda: F.mse_loss(ref(patches, coords), t), ref.parameters())
+    want = adam_steps(ref.parameters(), lambda: F.mse_loss(ref(patches, coords), t), lr=0.05)
     spec = P("dp", "sp")
     sharded = spmd.nn.convert(model, mesh, (spec, spec), example=(patches, coords))
     assert [e.call for e in sharded.spmd_plan.swapped] == \
@@ -278,7 +267,7 @@ def test_vit_trains_3_adam_steps_like_one_device_on_dp_sp_mesh(side):
         return spmd.psum(((sharded(p, c) - tl) ** 2).sum(), "dp") / t.numel()
 
     loss_fn = spmd.shard_map(body, mesh, (spec, spec, P("dp")), P())
-    got = _train(lambda: loss_fn(patches, coords, t), sharded.parameters())
+    got = adam_steps(sharded.parameters(), lambda: loss_fn(patches, coords, t), lr=0.05)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-10, atol=1e-10)
     assert got[2] < got[0]
     for (name, p), q in zip(sharded.named_parameters(), ref.parameters()):

@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+from _ops import adam_steps
 from torch import nn
 
 import spmd
@@ -100,18 +101,6 @@ class TinyNAT(nn.Module):
         return self.head(self.blocks(self.embed(x).permute(0, 2, 3, 1)))
 
 
-def _train(model, loss_fn, steps=3):
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def test_natten_style_model_trains_3_adam_steps_like_one_device_on_dp_sp_threads():
     mesh = spmd.Mesh((2, 2), ("dp", "sp"))
     g = torch.Generator().manual_seed(0)
@@ -121,7 +110,7 @@ def test_natten_style_model_trains_3_adam_steps_like_one_device_on_dp_sp_threads
     one = TinyNAT().double()
     sharded = TinyNAT(mesh).double()
     sharded.load_state_dict(one.state_dict())
-    want = _train(one, lambda: ((one(x) - t) ** 2).mean())
+    want = adam_steps(one, lambda: ((one(x) - t) ** 2).mean())
 
     x_lay = Layout(x.shape, P("dp", None, "sp"), mesh, {2: (5, 9)})  # uneven input rows too
     n = t.numel()
@@ -129,7 +118,7 @@ def test_natten_style_model_trains_3_adam_steps_like_one_device_on_dp_sp_threads
     loss_fn = spmd.shard_map(body, mesh, (x_lay, P("dp", "sp")), P(),
                              params=list(sharded.parameters()))
     with spmd.comm_stats() as stats:
-        got = _train(sharded, lambda: loss_fn(x, t))
+        got = adam_steps(sharded, lambda: loss_fn(x, t))
     assert stats.bytes("neighborhood_attention2d") > 0  # the halo moved
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
     assert got[2] < got[0]  # it learns

@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from _ops import adam_steps
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -173,18 +174,6 @@ def test_slab_moves_only_kept_modes_twice_each_way(monkeypatch):
 
 # -- the FNO --------------------------------------------------------------------------------
 
-def train(model, loss_fn, steps: int = 3) -> list[float]:
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def fno_data(shape=(3, 2, 13, 10)):
     g = torch.Generator().manual_seed(1)
     return (torch.randn(shape, generator=g, dtype=F64),
@@ -209,8 +198,8 @@ def test_fno_trains_like_one_device(how):
     n = t.numel()
     body = lambda x, t: spmd.psum(((sharded(x) - t) ** 2).sum(), "sp") / n  # noqa: E731
     loss = spmd.shard_map(body, mesh, (lay, tlay), P())
-    got = train(sharded, lambda: loss(x, t))
-    want = train(one, lambda: ((one(x) - t) ** 2).mean())
+    got = adam_steps(sharded, lambda: loss(x, t))
+    want = adam_steps(one, lambda: ((one(x) - t) ** 2).mean())
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-9, atol=1e-9)
     assert got[-1] < got[0]
     for (k, a), b in zip(sharded.state_dict().items(), one.state_dict().values()):
@@ -231,8 +220,8 @@ def _gloo_case(mesh):
     s = P(None, None, "sp")
     loss = spmd.shard_map(lambda x, t: spmd.psum(((sharded(x) - t) ** 2).sum(), "sp") / n,
                           mesh, (s, s), P(), params=list(sharded.parameters()))
-    got = train(sharded, lambda: loss(x, t))
-    want = train(one, lambda: ((one(x) - t) ** 2).mean())
+    got = adam_steps(sharded, lambda: loss(x, t))
+    want = adam_steps(one, lambda: ((one(x) - t) ** 2).mean())
     diff = max((a - b).abs().max().item() for a, b in zip(sharded.parameters(),
                                                           one.parameters()))
     return max(abs(a - b) for a, b in zip(got, want)) < 1e-9 and diff < 1e-9
