@@ -337,6 +337,21 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
     med = comm.all_reduce(torch.tensor(medians, dtype=torch.float64, device=dev), "max", group,
                           name="fit_network")
     samples = [(*m, t) for m, t in zip(meta, med.tolist())]
-    return Network.fit(samples, name=name,
-                       source=f"fitted: spmd {'/'.join(kinds)} on {mesh!r}, axis {axis!r}, "
-                              f"payloads {sizes[0]}..{sizes[-1]} B, median of {repeats}")
+    source = (f"fitted: spmd {'/'.join(kinds)} on {mesh!r}, axis {axis!r}, payloads "
+              f"{sizes[0]}..{sizes[-1]} B, median of {repeats}")
+    # The least squares of equal samples can differ in the last bit between processes
+    # (BLAS threading): member 0 fits, and everyone takes its two numbers, so that every
+    # rank holds the same Network (or raises alike: NaN means the fit failed).
+    try:
+        net = Network.fit(samples, name=name, source=source)
+        got = [net.latency_s, net.bandwidth_Bps]
+        why = None
+    except ValueError as e:
+        got, why = [math.nan, math.nan], e
+    got = comm.broadcast(torch.tensor(got, dtype=torch.float64, device=dev), 0, group,
+                         name="fit_network").tolist()
+    if math.isnan(got[0]):
+        raise why if why is not None else ValueError(
+            "fit_network: the fit failed on the group's first rank (see its error); time "
+            "larger payloads and more repeats")
+    return Network(got[0], got[1], name=name, source=source)
