@@ -232,7 +232,8 @@ class _ShardMap:
                 out = body_rank(rank)
             finally:
                 pop_trace()
-            self._keep_trace((tkey, rank), trace.recorded)
+            if trace.recorded != trace.cached:  # steady state: the same list, no lock
+                self._keep_trace((tkey, rank), trace.recorded)
             return out
 
         def body_rank(rank: int):
