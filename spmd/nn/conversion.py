@@ -60,9 +60,13 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       ``spmd.nn.MultiheadAttention``; attention weights (``need_weights=True``, the
       layer's default: pass False), dropout in training, a split feature dim and masks
       whose rows are not split like the queries are refused;
+    - ``flatten`` whose first flattened dim is split (a patch grid's rows become a run of
+      tokens per rank) keeps it split; a whole tensor as long as a split dim's global
+      size, combined elementwise with a split one (a learned positional table added to
+      split tokens), is cut to this rank's part (one size exchange, at the first call);
     - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
-      ``cat`` along it, ``flatten`` of it, a matmul over it, an FFT over it, a
-      ``linspace`` of this rank's size, ...) are refused.
+      ``cat`` along it, a ``flatten`` that puts it behind another dim, a matmul over it,
+      an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
 
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
     rank's rows) and the backward of a user's ``torch.autograd.Function``.
@@ -188,4 +192,4 @@ def _plan_example(model: nn.Module, cfg: entry.Config, example: Any) -> interpre
     for ex, shp in zip(tensors, shapes):
         dt = ex.dtype if isinstance(ex, torch.Tensor) else dtype
         args.append(torch.empty(shp, dtype=dt, device="meta"))
-    return cfg.plan(model, tuple(args), {}, lambda a, e: list(a.shape))
+    return cfg.plan(model, tuple(args), {}, lambda a, e: list(a.shape), global_sizes=True)

@@ -87,15 +87,17 @@ class Config:
     # -- plans ---------------------------------------------------------------------------------
 
     def plan(self, module: torch.nn.Module, args: tuple, kwargs: dict,
-             shapes: Callable[[torch.Tensor, tuple], list[int]]) -> Plan:
-        """Run ``module`` on meta stand-ins of tagged ``args`` (sizes from ``shapes``)."""
+             shapes: Callable[[torch.Tensor, tuple], list[int]], *,
+             global_sizes: bool = False) -> Plan:
+        """Run ``module`` on meta stand-ins of tagged ``args`` (sizes from ``shapes``; the
+        global ones with ``global_sizes``)."""
         def make(a, entries):
             m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
             return m.requires_grad_(a.requires_grad) if m.is_floating_point() else m
         margs, mkwargs = self.tag_inputs(args, kwargs, make)
         ins = [f"input {i}: {spec_of(entries_of(a, self.mesh))!r}" for i, a in enumerate(margs)
                if isinstance(a, torch.Tensor)]
-        plan = Plan(self.name, ins or ["no tensor inputs"])
+        plan = Plan(self.name, ins or ["no tensor inputs"], global_sizes=global_sizes)
         run = _Run(self, planning=True, plan=plan)
         run.start()
         try:

@@ -84,6 +84,8 @@ class Plan:
     entries: list[_Entry] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     incomplete: str = ""
+    #: The plan ran on the global shapes (``example=``), not on stand-in sizes of split dims.
+    global_sizes: bool = False
 
     @property
     def refused(self) -> list[_Entry]:

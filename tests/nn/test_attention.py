@@ -274,6 +274,54 @@ def test_vit_trains_3_adam_steps_like_one_device_on_dp_sp_mesh(side):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-8, msg=name)
 
 
+class StandardViT(nn.Module):
+    """A ViT as it is usually written: a strided conv cuts the image into patches, their
+    grid is flattened into tokens, a learned positional table (one row per token) is
+    added, then pre-norm blocks and a mean-pooled head."""
+
+    def __init__(self, tokens: int, patch: int = 2, E: int = 8, H: int = 2, out: int = 3):
+        super().__init__()
+        self.embed = nn.Conv2d(3, E, patch, stride=patch)
+        self.pos = nn.Parameter(0.1 * torch.randn(1, tokens, E))
+        self.blocks = nn.Sequential(Block(E, H), Block(E, H))
+        self.norm, self.head = nn.LayerNorm(E), nn.Linear(E, out)
+
+    def forward(self, img):
+        x = self.embed(img).flatten(2).transpose(1, 2) + self.pos
+        return self.head(self.norm(self.blocks(x)).mean(1))
+
+
+@pytest.mark.parametrize("rows,example", [([4, 4, 4], True), ([6, 4, 2], True),
+                                          ([6, 4, 2], False)])
+def test_convert_a_standard_vit_with_an_image_split_along_its_rows(rows, example):
+    """The image's rows split over sp (uneven too): the patch conv's rows stay split, the
+    flatten of (rows, columns) makes each rank's patch rows one run of tokens, and each
+    rank adds its rows of the positional table (sliced at its token offset, which the
+    convert learns from one size exchange). Values and all gradients as one device."""
+    torch.manual_seed(0)
+    model = StandardViT(tokens=6 * 4).double()
+    mesh = spmd.Mesh((3,), ("sp",))
+    img = torch.randn(2, 3, 12, 8, dtype=F64)
+    lay = Layout(img.shape, P(None, None, "sp"), mesh, {2: rows})
+    sharded = spmd.nn.convert(model, mesh, P(None, None, "sp"),
+                              example=img if example else None)
+    # without example=, the first forward plans on stand-in sizes and the run slices
+    assert_matches_single_device(sharded, model, mesh, lay, P(), img)
+    if example:
+        plan = sharded.spmd_plan
+        assert "sliced" in [e.kind for e in plan.entries] and not plan.refused
+        assert [e.call for e in plan.swapped].count("F.multi_head_attention_forward") == 2
+
+
+def test_convert_refuses_a_positional_table_of_another_length():
+    """A table one token short: one device could not add it; every rank refuses alike
+    (the global token count is compared, never a rank's own)."""
+    model = StandardViT(tokens=23).double()
+    mesh = spmd.Mesh((3,), ("sp",))
+    with pytest.raises(spmd.SpecError, match="whole along it"):
+        spmd.nn.convert(model, mesh, P(None, None, "sp"), example=(2, 3, 12, 8))
+
+
 class SDPAAttention(nn.Module):
     """A custom attention layer that calls F.scaled_dot_product_attention itself:
     grouped-query heads, causal."""

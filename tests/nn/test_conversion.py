@@ -126,7 +126,8 @@ CASES = {
     "Flatten layer": (nn.Flatten(), "flatten flattens dim 2"),
     "PixelShuffle": (Fn(lambda m, x: F.pixel_shuffle(torch.cat([x, x, x, x][:4], 1)[:, :4], 2)),
                      "moves values between channels and positions"),
-    "a whole positional field": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
+    "a whole positional field": (Fn(lambda m, x: x + m.pos), "exact"),
+    "a field of one shard's size": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
     "a mean by hand": (Fn(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])),
                        "this rank's share of dim 2"),
     "vector norm of all": (Fn(lambda m, x: x / torch.linalg.vector_norm(x, 2)),
@@ -141,8 +142,10 @@ CASES = {
 def _make(name):
     model, outcome = CASES[name]
     model = model.double()
-    if name == "a whole positional field":
+    if name == "a whole positional field":  # each rank adds its rows of it
         model.pos = nn.Parameter(torch.randn(1, 1, 15, 8, dtype=F64))
+    if name == "a field of one shard's size":  # one device could not add it either
+        model.pos = nn.Parameter(torch.randn(1, 1, 5, 8, dtype=F64))
     return model, outcome
 
 
@@ -161,6 +164,13 @@ def test_each_case_is_exact_or_refused_before_anything_runs(name):
         assert outcome in str(e.value)
         # without example=, the first forward refuses on every rank, before any transfer
         conv = spmd.nn.convert(model, mesh, H)
+        if name == "a field of one shard's size":
+            # The plan's stand-in sizes cannot tell a shard's size from the global one:
+            # the run refuses, after one exchange of the shards' sizes, before data moves.
+            with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match=outcome):
+                spmd.shard_map(conv, mesh, H, P())(x)
+            assert stats.calls() == stats.calls("convert sizes") == 3
+            return
         with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match="nothing has run"):
             spmd.shard_map(conv, mesh, H, P())(x)
         assert stats.calls() == 0

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from .._tags import LocalSize, local_sizes
+from ...ops._window import input_layout
+from .._tags import LocalSize, local_sizes, spec_of
 from ._base import Call, _arg, _dim, _no_local_sizes, _split, _tensors, _where, broadcast
 
 
@@ -17,19 +18,88 @@ def pointwise(c: Call) -> Any:
             c.refuse("lists the positions of nonzero values")
         return c.call()
     ts = _tensors(c)
+    inplace = c.name.endswith("_") and not c.name.startswith("__") or "out" in c.kwargs
+    cut = {} if inplace else _cut_whole(c, ts)
+    args, kwargs = c.args, c.kwargs
+    if cut:
+        args, kwargs = _swapped(args, cut), {k: _swapped(v, cut) for k, v in kwargs.items()}
+        ts = [cut.get(id(t), t) for t in ts]
     entries = broadcast(c, ts)
     _no_local_sizes(c)
-    inplace = c.name.endswith("_") and not c.name.startswith("__") or "out" in c.kwargs
     if inplace:
         target = c.kwargs.get("out", c.args[0] if c.args else None)
         if isinstance(target, torch.Tensor) and c.ent(target) != entries[len(entries) - target.ndim:]:
             c.refuse("writes a value split over the mesh into a tensor that is whole (or "
                      "split otherwise)", "write into a new tensor instead of in place")
-    res = c.call()
+    res = c.call(None, args, kwargs)
     if isinstance(res, torch.Tensor):
         entries = entries[len(entries) - res.ndim:] if res.ndim <= len(entries) else \
             (None,) * (res.ndim - len(entries)) + entries
     return c.out(res, entries)
+
+
+def _cut_whole(c: Call, ts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Operands whole on every dim (a learned table: a ViT's positional embedding) whose
+    extent along a dim that another operand splits is that dim's GLOBAL size: each rank
+    takes its part of them (a differentiable slice at its offset), so ``tokens + table``
+    is exact. ``{id(whole): its slice}``, tagged split like the other operand.
+
+    The global size and the offset come from the split operand's layout (one small size
+    exchange, cached inside shard_map; none while planning, on meta tensors, where the
+    slice is only a shape). A table of another size is left whole: broadcasting refuses
+    it, on every rank alike (the sizes compared are global)."""
+    nd = max((t.ndim for t in ts), default=0)
+    whole = [t for t in ts if t.ndim and not any(c.ent(t))]
+    if not whole or len(whole) == len(ts):
+        return {}
+    cut: dict[int, torch.Tensor] = {}
+    layouts: dict[int, Any] = {}
+    for d in range(nd):
+        split = [(t, t.ndim - nd + d) for t in ts
+                 if t.ndim - nd + d >= 0 and c.ent(t)[t.ndim - nd + d]]
+        if not split or len({c.ent(t)[k] for t, k in split}) > 1:
+            continue  # nothing split here, or split two ways: broadcasting says so
+        x, kx = split[0]
+        n = x.shape[kx]
+        for w in whole:
+            k = w.ndim - nd + d
+            if k < 0 or w.shape[k] == 1:
+                continue
+            cur = cut.get(id(w), w)
+            if c.planning and not c.run.plan.global_sizes:
+                # stand-in sizes: only the shape; the run checks the global size
+                sl = c.call(lambda t, k=k, m=n: t.narrow(k, 0, m) if t.shape[k] >= m else
+                            t.new_empty(t.shape[:k] + (m,) + t.shape[k + 1:]), (cur,), {})
+            else:
+                if c.planning:  # example=: the global shapes
+                    offset, size = 0, n
+                else:
+                    if id(x) not in layouts:
+                        layouts[id(x)] = c.call(lambda t, x=x: _layout_of(t, c, x), (x,), {})
+                    rank, lay = layouts[id(x)]
+                    offset, size = lay.offsets(rank)[kx], lay.shape[kx]
+                if w.shape[k] != size:
+                    continue
+                sl = c.call(lambda t, k=k, o=offset, m=n: t.narrow(k, o, m), (cur,), {})
+            ent = list(c.ent(cur)) if id(w) in cut else [None] * w.ndim
+            ent[k] = c.ent(x)[kx]
+            cut[id(w)] = c.out(sl, tuple(ent))
+    if cut:
+        c.record("sliced", "whole operands cut to this rank's part of the split dims")
+    return cut
+
+
+def _layout_of(t: torch.Tensor, c: Call, x: torch.Tensor) -> tuple[int, Any]:
+    rc, lay = input_layout(t, c.mesh, spec_of(c.ent(x)), "convert")
+    return rc.rank, lay
+
+
+def _swapped(a: Any, cut: dict[int, torch.Tensor]) -> Any:
+    if isinstance(a, torch.Tensor):
+        return cut.get(id(a), a)
+    if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+        return type(a)(_swapped(v, cut) for v in a)
+    return a
 
 
 def same(c: Call) -> Any:

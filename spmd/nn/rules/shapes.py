@@ -110,11 +110,15 @@ def flatten(c: Call) -> Any:
     end = _dim(_arg(c, "end_dim", 2, -1), x.ndim) if x.ndim else 0
     if c.name == "ravel":
         start, end = 0, max(x.ndim - 1, 0)
-    for d in range(start, end + 1):
-        if e[d] and end > start:
-            c.refuse(f"flattens {_where(d, e[d])} with other dims",
-                     "flatten only whole dims, or reduce (pool) the split dims first")
-    out = e[:start] + ((e[start] if end == start else None),) + e[end + 1:] if x.ndim else ()
+    for d in range(start + 1, end + 1):
+        # Row-major: the rows of a split leading dim stay one contiguous run of the
+        # flattened dim (a patch grid's rows become a run of tokens), a later one's do not.
+        if e[d]:
+            c.refuse(f"flattens {_where(d, e[d])} behind dim {start}: each rank's elements "
+                     f"would be scattered over the flattened dim",
+                     "split the first of the flattened dims instead (or only it), or reduce "
+                     "(pool) the split dims first")
+    out = e[:start] + (e[start],) + e[end + 1:] if x.ndim else ()
     return c.out(c.call(), out)
 
 
