@@ -386,6 +386,23 @@ def _by_dtype(xs: tuple) -> list[list[int]]:
     return list(groups.values())
 
 
+def _packed_all_to_all(rc: RankContext, group, idx: list[int], parts: list[list[torch.Tensor]],
+                       shape_of: dict) -> dict[int, list[torch.Tensor]]:
+    """One all_to_all for the tensors ``idx`` (one dtype): ``parts[j]`` holds what goes to
+    member ``j`` (one piece per tensor, flattened into one message), ``shape_of[i, j]`` the
+    shape of tensor ``i``'s piece arriving from member ``j``. Returns, per tensor, its
+    pieces in member order."""
+    sizes = {ij: math.prod(s) for ij, s in shape_of.items()}
+    got = comm_of(rc.mesh).all_to_all(
+        [_flat(p) for p in parts], group, name=_WHAT,
+        shapes=[(sum(sizes[i, j] for i in idx),) for j in range(group.size)])
+    pieces: dict = {i: [] for i in idx}
+    for j, flat in enumerate(got):
+        for i, t in zip(idx, flat.split([sizes[i, j] for i in idx])):
+            pieces[i].append(t.view(shape_of[i, j]))
+    return pieces
+
+
 def _heads_fwd(xs: tuple, sels: tuple, rows: tuple, rc: RankContext,
                axes: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
     """Each ``x`` ``(units, rows of this rank, ...)`` -> ``(sel[me] units, all rows, ...)``:
@@ -395,16 +412,10 @@ def _heads_fwd(xs: tuple, sels: tuple, rows: tuple, rc: RankContext,
     me, n = group.index, group.size
     out: list = [None] * len(xs)
     for idx in _by_dtype(xs):
-        chunks = [_flat([_take(xs[i], sels[i][j]) for i in idx]) for j in range(n)]
-        shape_of = {(i, j): (len(sels[i][me]), rows[i][j], *xs[i].shape[2:])
-                    for i in idx for j in range(n)}
-        sizes = {ij: math.prod(s) for ij, s in shape_of.items()}
-        got = comm_of(rc.mesh).all_to_all(
-            chunks, group, name=_WHAT, shapes=[(sum(sizes[i, j] for i in idx),) for j in range(n)])
-        pieces: dict = {i: [] for i in idx}
-        for j, flat in enumerate(got):
-            for i, t in zip(idx, flat.split([sizes[i, j] for i in idx])):
-                pieces[i].append(t.view(shape_of[i, j]))
+        pieces = _packed_all_to_all(
+            rc, group, idx, [[_take(xs[i], sels[i][j]) for i in idx] for j in range(n)],
+            {(i, j): (len(sels[i][me]), rows[i][j], *xs[i].shape[2:])
+             for i in idx for j in range(n)})
         for i in idx:
             out[i] = torch.cat(pieces[i], 1)
     return tuple(out)
@@ -420,16 +431,10 @@ def _seq_fwd(ys: tuple, sels: tuple, rows: tuple, units: tuple, rc: RankContext,
     out: list = [None] * len(ys)
     for idx in _by_dtype(ys):
         cuts = {i: ys[i].split(list(rows[i]), 1) for i in idx}
-        chunks = [_flat([cuts[i][j] for i in idx]) for j in range(n)]
-        shape_of = {(i, r): (len(sels[i][r]), rows[i][me], *ys[i].shape[2:])
-                    for i in idx for r in range(n)}
-        sizes = {ir: math.prod(s) for ir, s in shape_of.items()}
-        got = comm_of(rc.mesh).all_to_all(
-            chunks, group, name=_WHAT, shapes=[(sum(sizes[i, r] for i in idx),) for r in range(n)])
-        pieces: dict = {i: [] for i in idx}
-        for r, flat in enumerate(got):
-            for i, t in zip(idx, flat.split([sizes[i, r] for i in idx])):
-                pieces[i].append(t.view(shape_of[i, r]))
+        pieces = _packed_all_to_all(
+            rc, group, idx, [[cuts[i][j] for i in idx] for j in range(n)],
+            {(i, r): (len(sels[i][r]), rows[i][me], *ys[i].shape[2:])
+             for i in idx for r in range(n)})
         for i in idx:
             if _tiles(sels[i], units[i]):
                 out[i] = torch.cat(pieces[i], 0)
