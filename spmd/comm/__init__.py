@@ -10,12 +10,14 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+import torch
+
 from .base import REDUCE_OPS, Comm
 
 if TYPE_CHECKING:
     from ..core.mesh import Mesh
 
-__all__ = ["Comm", "REDUCE_OPS", "comm_of", "validating"]
+__all__ = ["Comm", "REDUCE_OPS", "comm_of", "validating", "gather_ints"]
 
 _lock = threading.Lock()
 
@@ -37,6 +39,22 @@ def comm_of(mesh: Mesh) -> Comm:
             if c is None:
                 c = mesh._comm = _make(mesh)
     return c
+
+
+def gather_ints(mesh: Mesh, group, ints, *, name: str, device) -> tuple[tuple[int, ...], ...]:
+    """Every member's ``ints`` (the same count on each), in member order: one int64
+    all_gather of one row per member. How ops learn the others' shard sizes.
+
+    Example:
+        >>> mesh = Mesh((2,), ("sp",))
+        >>> f = lambda m: gather_ints(m, m.group("sp", m.rank), (m.rank, 7), name="t",
+        ...                           device="cpu")
+        >>> spmd.launch(f, (2,), "sp")[1]
+        ((0, 7), (1, 7))
+    """
+    row = torch.tensor([list(ints)], dtype=torch.int64, device=device)
+    got = comm_of(mesh).all_gather(row, group, 0, name=name, sizes=(1,) * group.size)
+    return tuple(tuple(int(v) for v in t[0].tolist()) for t in got)
 
 
 def validating(mesh: Mesh) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
-from ..comm import comm_of
+from ..comm import gather_ints
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -69,12 +69,8 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
 
     def exchange() -> Layout:
         group = mesh.group(axes, rc.rank)
-        mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-        got = comm_of(mesh).all_gather(mine, group, 0, name=f"{what} sizes",
-                                       sizes=(1,) * group.size)
-        shapes = tuple((r, tuple(int(v) for v in t[0].tolist()))
-                       for r, t in zip(group.ranks, got))
-        return _from_shapes(shapes, spec, _MeshOf(mesh), what)
+        got = gather_ints(mesh, group, x.shape, name=f"{what} sizes", device=x.device)
+        return _from_shapes(tuple(zip(group.ranks, got)), spec, _MeshOf(mesh), what)
 
     def check(lay: Layout) -> None:
         if lay.local_shape(rc.rank) != tuple(x.shape):

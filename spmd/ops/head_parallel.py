@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
-from ..comm import comm_of
+from ..comm import comm_of, gather_ints
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe, shape_str
 from ..core.errors import SpecError
@@ -134,10 +134,9 @@ def head_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     mine = _shapes(qs, ks, vs, mask) + ((int(grad),),)
 
     def exchange() -> tuple:
-        row = torch.tensor([[v for s in mine for v in s]], dtype=torch.int64, device=q.device)
-        got = comm_of(mesh).all_gather(row, group, 0, name=f"{_WHAT} sizes",
-                                       sizes=(1,) * group.size)
-        return tuple(_unflat(t[0].tolist(), mine) for t in got)
+        got = gather_ints(mesh, group, [v for s in mine for v in s], name=f"{_WHAT} sizes",
+                          device=q.device)
+        return tuple(_unflat(list(r), mine) for r in got)
 
     def check(value: tuple) -> None:
         if value[group.index] != mine:

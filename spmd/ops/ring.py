@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..collectives._anchor import anchor
-from ..comm import comm_of
+from ..comm import comm_of, gather_ints
 from ..comm.stats import in_backward
 from ..core._context import on_mesh, static_layout, static_mismatch
 from ..core._format import describe
@@ -246,10 +246,7 @@ def _exchange(q, k, v, mask, group: Group, mesh: Mesh, rank: int) -> tuple[tuple
         return (tuple(mine),)
 
     def exchange():
-        t = torch.tensor([mine], dtype=torch.int64, device=q.device)
-        got = comm_of(mesh).all_gather(t, group, 0, name=f"{_WHAT} sizes",
-                                       sizes=(1,) * group.size)
-        return tuple(tuple(int(x) for x in g[0].tolist()) for g in got)
+        return gather_ints(mesh, group, mine, name=f"{_WHAT} sizes", device=q.device)
 
     def check(rows):
         if rows[group.index] != tuple(mine):

@@ -27,7 +27,7 @@ import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
-from ..comm import comm_of
+from ..comm import comm_of, gather_ints
 from ..comm.base import Pending
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
@@ -266,10 +266,9 @@ def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[in
         return sizes
 
     def exchange() -> tuple[int, ...]:
-        mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=x.device)
-        got = comm_of(rc.mesh).all_gather(mine, group, 0, name="halo_pad sizes",
-                                          sizes=(1,) * group.size)
-        return tuple(int(t.item()) for t in got)
+        rows = gather_ints(rc.mesh, group, (x.shape[dim],), name="halo_pad sizes",
+                           device=x.device)
+        return tuple(r[0] for r in rows)
 
     def check(sizes: tuple[int, ...]) -> None:
         if sizes[group.index] != x.shape[dim]:

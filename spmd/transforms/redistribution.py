@@ -17,7 +17,7 @@ import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp
-from ..comm import comm_of
+from ..comm import comm_of, gather_ints
 from ..core._context import RankContext, in_rank_of, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -120,11 +120,8 @@ def _src_layout(x: torch.Tensor, mesh: Mesh, rc: RankContext, spec, sizes) -> La
 
     def exchange() -> Layout:
         group = mesh.group(mesh.axis_names, rc.rank)
-        mine = torch.tensor([list(x.shape)], dtype=torch.int64, device=x.device)
-        got = comm_of(mesh).all_gather(mine, group, 0, name="redistribute sizes",
-                                       sizes=(1,) * group.size)
-        return Layout.from_local_shapes({r: t[0].tolist() for r, t in zip(group.ranks, got)},
-                                        spec, mesh)
+        got = gather_ints(mesh, group, x.shape, name="redistribute sizes", device=x.device)
+        return Layout.from_local_shapes(dict(zip(group.ranks, got)), spec, mesh)
 
     def check(lay: Layout) -> None:
         if lay.local_shape(rc.rank) != tuple(x.shape):
