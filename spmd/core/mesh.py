@@ -271,8 +271,10 @@ def _torch_device() -> torch.device:
     return torch.device("cpu")
 
 
-def check_mesh(mesh: object, what: str) -> None:
-    """A ``TypeError`` naming ``what`` unless ``mesh`` is a ``spmd.Mesh``."""
-    if not isinstance(mesh, Mesh):
+def check_mesh(mesh: object, what: str, *, optional: bool = False) -> None:
+    """A ``TypeError`` naming ``what`` unless ``mesh`` is a ``spmd.Mesh`` (or, with
+    ``optional``, None: a layer's one-device form)."""
+    if not isinstance(mesh, Mesh) and not (optional and mesh is None):
         from ._format import describe
-        raise TypeError(f"{what}: mesh must be a spmd.Mesh, got {describe(mesh)}")
+        alt = " (or None for one device)" if optional else ""
+        raise TypeError(f"{what}: mesh must be a spmd.Mesh{alt}, got {describe(mesh)}")

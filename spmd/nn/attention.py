@@ -27,7 +27,7 @@ from torch import nn
 from .. import ops
 from ..collectives.primitives import all_gather, axis_index, axis_size
 from ..core.errors import SpecError
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import as_spec, entry_axes
 
 __all__ = ["MultiheadAttention"]
@@ -114,9 +114,7 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     def _configure(self, mesh: Any, spec: Any, kv_spec: Any, strategy: Any) -> None:
         name = type(self).__name__
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(f"{name}: mesh must be a spmd.Mesh (or None for one device), got "
-                            f"{type(mesh).__name__}")
+        check_mesh(mesh, name, optional=True)
         if strategy not in _STRATEGIES:
             raise ValueError(f"{name}: strategy must be 'ring' or 'heads', got {strategy!r}")
         if mesh is not None and spec is None:

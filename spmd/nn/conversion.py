@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..core.errors import SpecError
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P, as_spec
 from . import entry, interpreter
 from .modules import _Sharded
@@ -123,8 +123,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"convert: mesh must be a spmd.Mesh, got {type(mesh).__name__}")
+    check_mesh(mesh, "convert")
     spec = _specs(spec, mesh)
     allow = tuple(allow)
     allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))

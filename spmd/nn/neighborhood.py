@@ -18,7 +18,7 @@ from torch import nn
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P, as_spec
 from ..ops._window import _MeshOf
 from ..ops.neighborhood_attention import _bools, _ints, neighborhood_attention2d
@@ -95,9 +95,7 @@ class NeighborhoodAttention2d(nn.Module):
                 raise ValueError(f"{name}: {arg} must be a positive int, got {v!r}")
         if dim % num_heads:
             raise ValueError(f"{name}: num_heads={num_heads} must divide dim={dim}")
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(f"{name}: mesh must be a spmd.Mesh (or None for one device), got "
-                            f"{type(mesh).__name__}")
+        check_mesh(mesh, name, optional=True)
         if (mesh is None) != (spec is None):
             raise TypeError(f"{name}: pass mesh= and spec= (the input's P or Layout) together, "
                             f"or neither for one device")

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..core.errors import SpecError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import as_spec
 from ..fft import irfftn, rfftn
 from ..fft.call import check, run
@@ -88,9 +88,7 @@ class _SpectralConv(nn.Module):
         for arg, v in (("in_channels", in_channels), ("out_channels", out_channels)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {v!r}")
-        if mesh is not None and not isinstance(mesh, Mesh):
-            raise TypeError(f"{name}: mesh must be a spmd.Mesh (or None for one device), got "
-                            f"{type(mesh).__name__}")
+        check_mesh(mesh, name, optional=True)
         if mesh is not None and spec is None:
             raise TypeError(f"{name}: pass spec= (the input's P or Layout) with mesh=")
         spec = _check_spec(name, spec)

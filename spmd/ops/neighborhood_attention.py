@@ -28,7 +28,7 @@ from ..collectives._anchor import anchor
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import as_spec
 from ..transforms.halo import Fetch, fetch_window
 from ._neighborhood import attend, dim_plan, dim_windows, local_index
@@ -134,9 +134,7 @@ def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spe
         dims = tuple((q.shape[1 + i], ks[i], ds[i], cs[i], 0, q.shape[1 + i], None,
                       q.shape[1 + i]) for i in range(n))
         return _local(q, k, v, rpb, dims, scale)
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{what}: mesh must be a spmd.Mesh (or None for one device), got "
-                        f"{type(mesh).__name__}")
+    check_mesh(mesh, what, optional=True)
     if spec is None:
         raise TypeError(f"{what}: pass spec= (q's P or Layout) with mesh=")
     _check_spec(spec, n, what)

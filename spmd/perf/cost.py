@@ -15,7 +15,7 @@ import torch
 from ..core import _context
 from ..core._format import dtype_str, shape_str
 from ..core.errors import SpecError
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P
 from . import _measure, model
 from ._measure import WHO, Collective, Setup
@@ -323,8 +323,7 @@ def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any,
         >>> est.bytes_per_rank[0], sorted({c.kind for c in est.comm[0]})
         ((4, 4), ['all_reduce'])
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{WHO}: mesh must be a spmd.Mesh, got {type(mesh).__name__}")
+    check_mesh(mesh, WHO)
     if any(m.backend == "threads" and r is not None for m, r in _context._stack()):
         raise RuntimeError(
             f"{WHO}: called on a rank of a threads mesh (inside shard_map or spmd.launch); "

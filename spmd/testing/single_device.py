@@ -12,7 +12,7 @@ from ..core import _tree
 from ..core._context import current
 from ..core._format import dtype_str, shape_str
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P
 from ..mapping import shard_map
 
@@ -124,8 +124,7 @@ def assert_matches_single_device(f_local: Callable, f_global: Callable, mesh: Me
         >>> y.shape
         torch.Size([2])
     """
-    if not isinstance(mesh, Mesh):
-        raise TypeError(f"{_WHO}: mesh must be a spmd.Mesh, got {type(mesh).__name__}")
+    check_mesh(mesh, _WHO)
     d_rtol, d_atol = default_tolerance(dtype)
     rtol = d_rtol if rtol is None else rtol
     atol = d_atol if atol is None else atol
