@@ -192,16 +192,24 @@ def step(f: Callable, args: tuple, backward: bool, seed: int) -> Any:
         with torch.no_grad():
             return f(*args)
     out = f(*args)
-    outs = [o for o in _tree.flatten(out)[0]
-            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+    outs = _diff_outputs(out)
     if not outs:
         raise SpecError(f"{WHO}: no output of the body requires grad, so there is no "
                         f"backward to measure; pass backward=False for a forward only")
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum()
-               for o in outs)
-    loss.backward()
+    torch.autograd.backward(outs, _cotangents(outs, seed))
     return out
+
+
+def _diff_outputs(out: Any) -> list[torch.Tensor]:
+    """The floating outputs that need a gradient: what a step's backward starts from."""
+    return [o for o in _tree.flatten(out)[0]
+            if isinstance(o, torch.Tensor) and o.requires_grad and o.is_floating_point()]
+
+
+def _cotangents(outs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
+    """A fixed random cotangent per output (the same every step and on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device) for o in outs]
 
 
 @dataclass
@@ -307,14 +315,10 @@ def time_compute(setup: Setup, names: tuple[str, ...], args: tuple, device: torc
             sync()
             t1 = time.perf_counter()
             fwd.append(t1 - t0)
+            outs = _diff_outputs(out)
             if step_grads is None:
-                gen = torch.Generator().manual_seed(setup.seed)
-                step_grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)
-                              for o in _tree.flatten(out)[0] if isinstance(o, torch.Tensor)
-                              and o.requires_grad and o.is_floating_point()]
+                step_grads = _cotangents(outs, setup.seed)
                 t1 = time.perf_counter()  # the cotangent is not the body's work
-            outs = [o for o in _tree.flatten(out)[0] if isinstance(o, torch.Tensor)
-                    and o.requires_grad and o.is_floating_point()]
             torch.autograd.backward(outs, step_grads)
             sync()
             bwd.append(time.perf_counter() - t1)
