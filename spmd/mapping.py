@@ -98,6 +98,10 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
     sm = _ShardMap(f, mesh, in_specs, out_specs, check_rep, params_fn, static_layouts)
 
     def mapped(*args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot follow rank threads or processes' plans: the whole call runs
+            # eagerly (a graph break). Compile the body instead: shard_map(torch.compile(f)).
+            return torch.compiler.disable(sm)(args)
         return sm(args)
 
     mapped.__wrapped__ = f  # type: ignore[attr-defined]
@@ -258,7 +262,9 @@ class _ShardMap:
             if not grad_on:  # rank threads start with grad mode on
                 with torch.no_grad():
                     return self.f(*args_local), local_in, []
-            if per_rank:  # the body's nodes are numbered from here (see _keep_graph)
+            if per_rank or rank == 0:  # the body's nodes are numbered from here
+                # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
+                # thread, whose numbers those of the caller's own nodes are comparable to
                 seq0[rank] = _next_node_number()
             with collect_anchors() as anchors:
                 out = self.f(*args_local)
@@ -296,7 +302,7 @@ class _ShardMap:
         state.sharded_inputs = named
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
         state.anchors = [results[r][2] for r in ranks]
-        state.seq0 = seq0.get(ranks[0]) if per_rank else None
+        state.seq0 = seq0.get(ranks[0])
         global_outs = state.assemble(bool(sharded))
         if grad_on and state.any_out_grad:
             state.find_params()
@@ -501,7 +507,8 @@ class _State:
         """Gradients for the call's inputs: the global arguments', the shards' (each its
         rank's own, as in per-rank code) and the parameters'."""
         mesh = self.mesh
-        # Asked here, on the engine's thread, not on a rank thread.
+        # Asked here, on the engine's thread, not on a rank thread. On a threads mesh
+        # rank 0's graph answers for all: the ranks close over the same caller tensors.
         keep = _keep_graph() or self.seq0 is None or _reaches_older_nodes(
             [t for t in local_outs[0] + anchors[0] if isinstance(t, torch.Tensor)], self.seq0)
 

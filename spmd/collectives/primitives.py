@@ -32,6 +32,7 @@ from ..core._format import describe
 from ..core.errors import CommError, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
+from .compiled import graph_op, like_input
 from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -63,6 +64,7 @@ def _tree(fn, x, axis_name):
 
 # -- psum ----------------------------------------------------------------------------
 
+@graph_op(like_input)
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over the ranks of ``axis_name``; the same on each of them.
 
@@ -96,6 +98,7 @@ def _psum_bwd(res, g):
 _psum.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)), _psum_bwd)
 
 
+@graph_op(like_input)
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Mean of ``x`` over the ranks of ``axis_name`` (``psum / axis_size``).
 
@@ -109,6 +112,7 @@ def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 # -- pmax / pmin -------------------------------------------------------------------------
 
+@graph_op(like_input)
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise maximum over the ranks of ``axis_name``, with a gradient.
 
@@ -121,6 +125,7 @@ def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     return _pext(anchor(x), "max", axes, rc)
 
 
+@graph_op(like_input)
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Elementwise minimum over the ranks of ``axis_name``; gradient as ``pmax``."""
     if not isinstance(x, torch.Tensor):

@@ -15,7 +15,7 @@ import torch
 
 from ..comm.stats import in_backward
 
-__all__ = ["custom_vjp"]
+__all__ = ["custom_vjp", "needs_input_grad"]
 
 _stash = threading.local()
 
@@ -78,6 +78,19 @@ class custom_vjp:
         return self if obj is None else functools.partial(self.__call__, obj)
 
 
+def needs_input_grad() -> tuple[bool, ...]:
+    """Inside a ``custom_vjp`` bwd: which of the call's arguments need a gradient.
+
+    Read it here, not as ``requires_grad`` in fwd: under ``torch.func`` fwd sees the
+    arguments one level down, where a tensor the transform differentiates (a weight
+    passed to ``torch.func.grad``) does not require grad.
+    """
+    needs = getattr(_stash, "needs", None)
+    if needs is None:
+        raise RuntimeError("needs_input_grad() is only defined inside a custom_vjp bwd")
+    return needs
+
+
 def _needs_grad(args: tuple) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -103,8 +116,13 @@ def _run_bwd(ctx, grads: tuple, name: str, bwd: Callable, nondiff: tuple[int, ..
     leaves = [next(saved) if t else v for v, t in zip(ctx.res_other, ctx.res_is_t)]
     res = optree.tree_unflatten(ctx.res_spec, leaves)
     g = grads if ctx.tuple_out else grads[0]
-    with in_backward():  # communication accounting: what bwd sends is backward traffic
-        out = bwd(*ctx.nondiff_vals, res, g)
+    prev = getattr(_stash, "needs", None)
+    _stash.needs = tuple(ctx.needs_input_grad)
+    try:
+        with in_backward():  # communication accounting: what bwd sends is backward traffic
+            out = bwd(*ctx.nondiff_vals, res, g)
+    finally:
+        _stash.needs = prev
     if not isinstance(out, (tuple, list)):
         raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got {type(out).__name__}")
     n_diff = ctx.n_in - len(nondiff)

@@ -67,7 +67,19 @@ def set_converting(flag: bool | str) -> bool | str:
 
 
 def current(what: str = "this call") -> RankContext:
-    """The innermost (mesh, rank); raises a clear error outside any rank context."""
+    """The innermost (mesh, rank); raises a clear error outside any rank context.
+
+    Under ``torch.compile`` it is a graph break: the rank is this thread's, so dynamo
+    must not bake the one of the thread that traced into a graph other ranks reuse; the
+    resumed code guards on it instead. (spmd's own functions never get here under
+    compile: ``collectives.compiled`` makes them opaque ops.)
+    """
+    if torch.compiler.is_compiling():
+        return torch.compiler.disable(_current)(what)
+    return _current(what)
+
+
+def _current(what: str) -> RankContext:
     flag = getattr(_local, "converting", False)
     if flag:
         # convert follows the torch calls of the forward; an spmd function inside it

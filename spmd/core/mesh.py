@@ -1,7 +1,9 @@
 """``Mesh``: ranks arranged in an n-d grid with named axes."""
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +41,19 @@ class Group:
     @property
     def rank(self) -> int:
         return self.ranks[self.index]
+
+
+_uids = itertools.count()
+_by_uid: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
+
+
+def mesh_by_uid(uid: int) -> Mesh:
+    """The live mesh whose ``_uid`` is ``uid`` (compiled graphs name meshes by it)."""
+    m = _by_uid.get(uid)
+    if m is None:
+        raise SpecError(f"mesh #{uid} of a compiled graph no longer exists; compile again "
+                        f"with the mesh the code runs on")
+    return m
 
 
 class Mesh:
@@ -106,6 +121,9 @@ class Mesh:
         self.timeout: float = DEFAULT_TIMEOUT if timeout is None else \
             check_timeout(timeout, f"Mesh{shape}")
         self._device = None if device is None else torch.device(device)
+        # an int that names this mesh in compiled graphs (see collectives.compiled)
+        self._uid: int = next(_uids)
+        _by_uid[self._uid] = self
         self._groups: dict[tuple, Group] = {}
         # The backend's communicator: spmd.comm.comm_of builds it on first use and keeps
         # it here, so the data layer never imports a backend.

@@ -147,6 +147,15 @@ class _Frame:
         self.entries: tuple | None = None
 
 
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    raise SpecError(
+        "convert: torch.compile cannot trace a model made by spmd.nn.convert (its forward "
+        "follows torch calls with a TorchFunctionMode): compile a body built from spmd.nn "
+        "layers or spmd.ops instead, or call the converted model outside the compiled "
+        "function")
+
+
 class Enter:
     """Forward pre-hook of every module of a converted model."""
 
@@ -154,6 +163,8 @@ class Enter:
         self.cfg, self.path, self.opaque = cfg, path, opaque
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        if torch.compiler.is_compiling():
+            _refuse_compile()
         frames = _state()
         frame = _Frame(module)
         frames.append(frame)  # first: the exit hook pops it even if what follows raises

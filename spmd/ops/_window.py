@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
-from ..collectives.vjp import custom_vjp
+from ..collectives.vjp import custom_vjp, needs_input_grad
 from ..comm import gather_ints
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
 from ..core._format import describe
@@ -240,14 +240,15 @@ _windowed = custom_vjp(_windowed_primal, nondiff_argnums=(1, 2))
 def _windowed_fwd(x, fetches, op, *params):
     win, recvs = _window_of(x, fetches)
     out, saved = op.full(win, *params) if op.saves else (op.full(win, *params), None)
-    needs = tuple(isinstance(p, torch.Tensor) and p.requires_grad for p in params)
     keep = (x, recvs) if op.reads_input else (None, None)
-    meta = (tuple(x.shape), tuple(win.shape), needs)
+    meta = (tuple(x.shape), tuple(win.shape))
     return out, (*keep, params, saved, meta)
 
 
 def _windowed_bwd(fetches, op, res, g):
-    x, recvs, params, saved, (x_shape, win_shape, needs) = res
+    x, recvs, params, saved, (x_shape, win_shape) = res
+    needs = tuple(isinstance(p, torch.Tensor) and n
+                  for p, n in zip(params, needs_input_grad()[3:]))
     g = g[0] if isinstance(g, tuple) else g
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
         return vjp_through(x, x_shape, fetches, op.forward, params, needs, g)

@@ -25,10 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives._anchor import anchor
-from ..collectives.vjp import custom_vjp
+from ..collectives.compiled import graph_op
+from ..collectives.vjp import custom_vjp, needs_input_grad
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.spec import P
 from ..transforms.halo import Fetch, exchange_async, frame, transpose_async
 from ._window import (
     check_ndim,
@@ -154,6 +156,35 @@ def _check_weight(x: torch.Tensor, weight: torch.Tensor, bias, groups: int, n: i
         raise RuntimeError(f"{what}: expected bias of shape [{c_out}], got {list(bias.shape)}")
 
 
+def _conv_meta(n: int):
+    """convNd's local output under torch.compile, where this rank's shapes alone give
+    it: a split dim must keep its length (stride 1, padding = dilated kernel - 1), so
+    each rank keeps its own rows; else None (the call runs eagerly)."""
+    def meta(x, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, *, mesh,
+             spec, padding_mode="zeros"):
+        if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+                and isinstance(spec, P) and x.ndim == n + 2 and weight.ndim == n + 2):
+            return None
+        try:
+            what = f"conv{n}d"
+            k = tuple(weight.shape[2:])
+            st, dl = ntuple(stride, n, "stride", what), ntuple(dilation, n, "dilation", what)
+            pads = _pads(padding, n, k, dl, st, what)
+        except Exception:  # noqa: BLE001 - the eager call raises the real error
+            return None
+        shape = [x.shape[0], weight.shape[0]]
+        for i in range(n):
+            (lo, hi), span = pads[i], dl[i] * (k[i] - 1) + 1
+            if 2 + i < len(spec) and spec[2 + i] is not None:
+                if st[i] != 1 or lo + hi != span - 1:
+                    return None
+                shape.append(x.shape[2 + i])
+            else:
+                shape.append((x.shape[2 + i] + lo + hi - span) // st[i] + 1)
+        return [(tuple(shape), x.dtype)]
+    return meta
+
+
 # -- convolution -------------------------------------------------------------------------------
 
 def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -274,12 +305,13 @@ _framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
 
 def _framed_fwd(x, fr, weight, bias):
     y, recv = _framed_value(x, exchange_async(x, fr.f), fr, weight, bias)
-    needs = (weight.requires_grad, bias is not None and bias.requires_grad)
-    return y, (x, recv, weight, bias, needs)
+    return y, (x, recv, weight, bias)
 
 
 def _framed_bwd(fr, res, g):
-    x, recv, weight, bias, needs = res
+    x, recv, weight, bias = res
+    _, _, nw, nb = needs_input_grad()
+    needs = (nw, bias is not None and nb)
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
         return vjp_through(x, x.shape, (fr.f,), fr.window_conv, (weight, bias), needs, g)
     # The halo's cotangents first (thin slabs), sent on their way while the shard's
@@ -327,6 +359,7 @@ def _local_conv(args: tuple, zeros_of: Sequence[int] | None) -> tuple[Callable, 
 
 
 @with_layout(_conv_layout(1))
+@graph_op(_conv_meta(1))
 def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
            mesh: Mesh, spec: Any, padding_mode: str = "zeros") -> torch.Tensor:
@@ -367,6 +400,7 @@ def conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @with_layout(_conv_layout(2))
+@graph_op(_conv_meta(2))
 def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
            mesh: Mesh, spec: Any, padding_mode: str = "zeros") -> torch.Tensor:
@@ -388,6 +422,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 @with_layout(_conv_layout(3))
+@graph_op(_conv_meta(3))
 def conv3d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1, *,
            mesh: Mesh, spec: Any, padding_mode: str = "zeros") -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op, like_input
 from ..collectives.primitives import _all_gather, _psum
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
@@ -262,6 +263,7 @@ def _channel_split(spec: Any, what: str) -> None:
     refuse_split(spec, (1,), what, "the channels, whose statistics are separate")
 
 
+@graph_op(like_input)
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, mesh: Mesh,
                spec: Any) -> torch.Tensor:
@@ -326,6 +328,7 @@ def _trailing(x: torch.Tensor, normalized_shape: Sequence[int], mesh: Mesh, spec
     return dims, axes, [None if t is None else t[sl] for t in affine]
 
 
+@graph_op(like_input)
 def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5, *, mesh: Mesh, spec: Any) -> torch.Tensor:
@@ -358,6 +361,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     return y.to(x.dtype)
 
 
+@graph_op(like_input)
 def rms_norm(x: torch.Tensor, normalized_shape: Sequence[int],
              weight: torch.Tensor | None = None, eps: float | None = None, *, mesh: Mesh,
              spec: Any) -> torch.Tensor:
@@ -390,6 +394,22 @@ def rms_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     return y.to(x.dtype)
 
 
+# A custom op may not mutate its inputs: a call that updates running statistics in
+# place runs eagerly under torch.compile (meta None).
+
+def _instance_meta(x, running_mean=None, running_var=None, weight=None, bias=None,
+                   use_input_stats=True, *args, **kwargs):
+    updates = use_input_stats and (running_mean is not None or running_var is not None)
+    return None if updates else like_input(x)
+
+
+def _batch_meta(x, running_mean=None, running_var=None, weight=None, bias=None,
+                training=False, *args, **kwargs):
+    updates = training and (running_mean is not None or running_var is not None)
+    return None if updates else like_input(x)
+
+
+@graph_op(_instance_meta)
 def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, use_input_stats: bool = True,
@@ -459,6 +479,7 @@ def _updates_buffers(running_mean: torch.Tensor, running_var: torch.Tensor | Non
     return True
 
 
+@graph_op(_batch_meta)
 def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
                running_var: torch.Tensor | None, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, training: bool = False,

@@ -26,6 +26,7 @@ from functools import lru_cache
 import torch
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of, gather_ints
 from ..comm.base import Pending
@@ -39,6 +40,22 @@ __all__ = ["halo_pad", "halo_trim"]
 MODES = ("constant", "reflect", "replicate", "circular")
 
 
+def _halo_meta(x, mesh, axis, dim, width, **kwargs):
+    """halo_pad's local output under torch.compile: ``lo + size + hi`` along each dim."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    dims, widths = (dim, width) if isinstance(dim, (tuple, list)) else ((dim,), (width,))
+    shape = list(x.shape)
+    try:
+        for d, w in zip(dims, widths):
+            lo, hi = _width(w)
+            shape[d % x.ndim] += lo + hi
+    except Exception:  # noqa: BLE001 - the eager call raises the real error
+        return None
+    return [(tuple(shape), x.dtype)]
+
+
+@graph_op(_halo_meta)
 def halo_pad(x: torch.Tensor, mesh: Mesh, axis: str | tuple[str, ...] | None | Sequence,
              dim: int | Sequence[int], width: int | tuple[int, int] | Sequence, *,
              mode: str = "constant", value: float = 0.0,

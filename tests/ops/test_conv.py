@@ -382,3 +382,30 @@ def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
     assert events == ["bwd3", "bwd3", "send", "bwd4", "wait"]
     want = F.conv2d(x.detach().requires_grad_(), w, padding=1)
     torch.testing.assert_close(y, want, **TOL)
+
+
+@pytest.mark.parametrize("stride", [1, 2])  # the framed path and the window path
+def test_torch_func_grad_of_a_weight_that_does_not_require_grad(stride):
+    """torch.func.grad differentiates a plain tensor: the rule's fwd sees it one level
+    down, without requires_grad, so which gradients to make is asked in bwd. (Read in
+    fwd, it gave a zero weight gradient, silently.)"""
+    mesh = spmd.Mesh((3,), ("sp",))
+    spec = P(None, None, "sp")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 11, 6, dtype=F64, generator=g)
+    w = torch.randn(4, 3, 3, 3, dtype=F64, generator=g)
+    b = torch.randn(4, dtype=F64, generator=g)
+
+    def body(x):
+        def loss(w, b):
+            y = spmd.ops.conv2d(x, w, b, stride=stride, padding=1, mesh=mesh, spec=spec)
+            return spmd.psum((y ** 2).sum(), "sp")
+        gw, gb = torch.func.grad(loss, argnums=(0, 1))(w, b)
+        # every rank differentiates its own copy of the psum'd loss: n times its part
+        return spmd.psum(gw, "sp") / mesh.size, spmd.psum(gb, "sp") / mesh.size
+
+    got = spmd.shard_map(body, mesh, in_specs=spec, out_specs=(P(), P()))(x)
+    want = torch.func.grad(lambda w, b: (F.conv2d(x, w, b, stride=stride, padding=1) ** 2)
+                           .sum(), argnums=(0, 1))(w, b)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, **TOL)

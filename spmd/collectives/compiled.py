@@ -1,0 +1,287 @@
+"""spmd functions under ``torch.compile``: each call is one opaque node of the graph.
+
+A per-rank spmd function reads its rank from the thread it runs on, plans its messages
+from it, validates data, and moves tensors. If dynamo traced that Python, the plan of the
+rank that compiled first would be baked into a graph that, on a threads mesh, every
+rank then reuses. So dynamo never traces it. Under ``torch.compile`` a function
+decorated with ``graph_op`` becomes one call of the custom op ``spmd::graph_op``:
+
+- the graph holds only rank-independent facts: a handle to (function, its non-tensor
+  arguments, which tensors need gradients), fixed at trace time, and the output shapes
+  its ``meta`` derives from the local input shapes alone;
+- at run time the op runs the eager function on the calling rank, with the rank
+  context of that thread and every check of the eager path (nothing is given up);
+- its backward is a second op that replays the eager function's own backward, recorded
+  by ``torch.func.vjp`` in the forward and kept on the forward's token tensor, so it
+  lives exactly as long as the autograd graph that may use it. Where ``torch.func``
+  cannot record (the forward runs inside a TorchDispatchMode: AOTAutograd checks the
+  first call of a compiled graph with one), the forward runs plainly and the backward
+  recomputes it with ``torch.func.vjp``: one extra forward's messages, on every rank
+  alike, since every rank runs the same compiled graph.
+
+A call ``meta`` cannot describe (an output shape that depends on other ranks' sizes, a
+tensor inside a list) runs the eager function under ``torch.compiler.disable``: a graph
+break, never a baked plan.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..core._context import current
+from ..core.errors import SpecError
+from ..core.mesh import Mesh, mesh_by_uid
+from ..core.spec import P
+
+__all__ = ["graph_op", "Meta", "like_input"]
+
+Meta = Callable[..., "Sequence[tuple[Sequence[int], torch.dtype]] | None"]
+
+# handle -> _Entry; handles are fixed at trace time and baked into graphs
+_entries: list[_Entry] = []
+_index: dict[tuple, int] = {}
+
+
+def _encode(v: Any) -> Any:
+    """A non-tensor argument as a constant dynamo can hand to ``_handle``: a Mesh by its
+    uid, a P as a plain tuple; ``...``-tagged, a tag no real argument carries."""
+    if isinstance(v, Mesh):
+        return (..., "mesh", v._uid)
+    if isinstance(v, P):
+        return (..., "P", tuple(v))
+    if isinstance(v, list) and not any(isinstance(t, (torch.Tensor, list, dict)) for t in v):
+        return tuple(v)  # sizes=[4, 3]: spmd takes any sequence
+    return v
+
+
+def _decode(v: Any, xs: Sequence[torch.Tensor]) -> Any:
+    if not (isinstance(v, tuple) and len(v) == 3 and v[0] is ...):
+        return v
+    kind, val = v[1], v[2]
+    if kind == "tensor":
+        return xs[val]
+    return mesh_by_uid(val) if kind == "mesh" else P(*val)
+
+
+class _Entry:
+    __slots__ = ("fn", "meta", "args", "kwargs", "inputs", "grad", "outputs", "name")
+
+    def __init__(self, fn, meta, args, kwargs, inputs, grad, outputs):
+        self.fn, self.meta, self.args, self.kwargs = fn, meta, args, kwargs
+        self.inputs, self.grad, self.outputs = inputs, grad, outputs
+        self.name = getattr(fn, "__qualname__", repr(fn))
+
+    def call(self, xs: Sequence[torch.Tensor]) -> Any:
+        args = [_decode(a, xs) for a in self.args]
+        kwargs = {k: _decode(v, xs) for k, v in self.kwargs}
+        return self.fn(*args, **kwargs)
+
+    def shapes(self, xs: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        args = [_decode(a, xs) for a in self.args]
+        kwargs = {k: _decode(v, xs) for k, v in self.kwargs}
+        return [(tuple(s), d) for s, d in self.meta(*args, **kwargs)]
+
+
+@torch.compiler.assume_constant_result
+def _handle(fn: Callable, meta: Meta, args: tuple, kwargs: tuple, inputs: tuple,
+            grad: tuple, outputs: int) -> int:
+    key = (fn, meta, args, kwargs, inputs, grad, outputs)
+    h = _index.get(key)
+    if h is None:
+        h = _index[key] = len(_entries)
+        _entries.append(_Entry(*key))
+    return h
+
+
+def graph_op(meta: Meta, outputs: int = 1) -> Callable[[Callable], Callable]:
+    """Make a per-rank spmd function one node of a ``torch.compile`` graph.
+
+    ``meta(*args, **kwargs)`` gets the call's arguments (tensors as fake tensors, or
+    only their shapes read) and returns one ``(shape, dtype)`` per output, computed
+    from this rank's local shapes and the non-tensor arguments alone, or None where
+    that is not possible (the call then runs eagerly, a graph break). ``outputs``: how
+    many tensors the function returns (1: a tensor, more: a tuple). Outside
+    ``torch.compile`` the function runs as written.
+    """
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return _traced(fn, meta, outputs, args, kwargs)
+            return fn(*args, **kwargs)
+        return call
+    return wrap
+
+
+def _traced(fn, meta, outputs, args, kwargs):
+    tensors: list[torch.Tensor] = []
+
+    def slot(v):
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return (..., "tensor", len(tensors) - 1)
+        return _encode(v)
+
+    targs = tuple(slot(a) for a in args)
+    tkw = tuple((k, slot(v)) for k, v in kwargs.items())
+    if not tensors or not _static(targs, tkw) or meta(*args, **kwargs) is None:
+        return torch.compiler.disable(fn)(*args, **kwargs)  # a graph break, never a baked plan
+    grad = tuple(torch.is_grad_enabled() and t.requires_grad for t in tensors)
+    inputs = tuple((t.ndim, t.dtype, t.device) for t in tensors)
+    h = _handle(fn, meta, targs, tkw, inputs, grad, outputs)
+    outs = torch.ops.spmd.graph_op(tensors, h)[:-1]
+    return outs[0] if outputs == 1 else tuple(outs)
+
+
+def _static(args: tuple, kwargs: tuple) -> bool:
+    """Whether the non-tensor arguments can key a handle: hashable, no tensor inside."""
+    for v in itertools.chain(args, (v for _, v in kwargs)):
+        if isinstance(v, (list, dict, set)):
+            return False
+        if isinstance(v, tuple) and any(isinstance(t, torch.Tensor) for t in v):
+            return False
+    try:
+        hash((args, kwargs))
+    except TypeError:
+        return False
+    return True
+
+
+def like_input(x: Any, *args: Any, **kwargs: Any) -> list | None:
+    """``meta`` of a function whose one output is shaped like its first argument."""
+    return [(x.shape, x.dtype)] if isinstance(x, torch.Tensor) else None
+
+
+# -- the custom ops ----------------------------------------------------------------------
+
+class _NoRecording(Exception):
+    """torch.func cannot record here (the forward runs inside a TorchDispatchMode)."""
+
+
+@torch.library.custom_op("spmd::graph_op", mutates_args=())
+def _graph_op(xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
+    e = _entries[h]
+    token = torch.zeros((), dtype=torch.int64)
+    if any(e.grad):
+        outs, token = _record(e, xs, token)
+    else:
+        outs = _outputs(e, e.call(xs))
+    _check(e, xs, outs)
+    # the fake outputs are contiguous, and compiled code indexes by their strides
+    return [_unaliased(o.contiguous(), xs) for o in outs] + [token]
+
+
+@_graph_op.register_fake
+def _(xs, h):
+    e = _entries[h]
+    outs = [xs[0].new_empty(s, dtype=d) for s, d in e.shapes(xs)]
+    return outs + [torch.empty((), dtype=torch.int64, device="cpu")]
+
+
+def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor):
+    diff = [i for i, g in enumerate(e.grad) if g]
+
+    def primal(*d):
+        try:
+            d[0].view(d[0].shape)  # a no-op that fails at once where torch.func cannot record
+        except RuntimeError as err:
+            raise _NoRecording from err
+        full = list(xs)
+        for i, t in zip(diff, d):
+            full[i] = t
+        return tuple(_outputs(e, e.call(full)))
+
+    rc = current(e.name)
+    try:
+        outs, vjp = torch.func.vjp(primal, *[xs[i] for i in diff])
+        token.spmd_backward = ("vjp", vjp, rc)
+    except _NoRecording:
+        outs = tuple(_outputs(e, e.call(xs)))
+        token.spmd_backward = ("recompute", [x.detach() for x in xs], rc)
+    token.spmd_outs = [(o.shape, o.dtype, o.device) for o in outs]
+    return list(outs), token
+
+
+def _outputs(e: _Entry, out: Any) -> list[torch.Tensor]:
+    outs = [out] if e.outputs == 1 else list(out)
+    if len(outs) != e.outputs or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TypeError(f"{e.name}: under torch.compile it must return {e.outputs} "
+                        f"tensor(s), got {type(out).__name__}")
+    return outs
+
+
+def _check(e: _Entry, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """The shapes the graph was compiled for are the ones the eager function made."""
+    want = e.shapes(xs)
+    got = [(tuple(o.shape), o.dtype) for o in outs]
+    if got != want:
+        raise SpecError(f"{e.name} under torch.compile: made {got} on this rank, but its "
+                        f"meta promised {want}; run it outside torch.compile (a bug: "
+                        f"please report it)")
+
+
+def _unaliased(o: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+    # a custom op's output may not alias its input (an identity at width 0, a no-op psum)
+    p = o.untyped_storage().data_ptr()
+    if p and any(x.untyped_storage().data_ptr() == p for x in xs):
+        return o.clone()
+    return o
+
+
+@torch.library.custom_op("spmd::graph_op_backward", mutates_args=())
+def _graph_op_backward(token: torch.Tensor, grads: list[torch.Tensor | None], h: int,
+                       sizes: list[int]) -> list[torch.Tensor]:
+    e = _entries[h]
+    saved = getattr(token, "spmd_backward", None)
+    if saved is None:
+        raise SpecError(f"{e.name} under torch.compile: its backward ran twice, or its "
+                        f"forward's record was lost; use retain_graph=False and one backward")
+    how, what, rc = saved
+    token.spmd_backward = None  # once, as autograd frees its buffers
+    gs = [torch.zeros(s, dtype=d, device=dev) if g is None else g
+          for g, (s, d, dev) in zip(grads, token.spmd_outs)]
+    with rc:
+        if how == "recompute":
+            diff = [i for i, g in enumerate(e.grad) if g]
+
+            def primal(*d):
+                full = list(what)
+                for i, t in zip(diff, d):
+                    full[i] = t
+                return tuple(_outputs(e, e.call(full)))
+            _, what = torch.func.vjp(primal, *[what[i] for i in diff])
+        got = what(tuple(gs))
+    return [g.contiguous() for g in got]
+
+
+@_graph_op_backward.register_fake
+def _(token, grads, h, sizes):
+    # one gradient per input that needs one: its shape from the flat ``sizes``
+    out, at = [], 0
+    for (nd, dtype, device), g in zip(_entries[h].inputs, _entries[h].grad):
+        if g:
+            out.append(torch.empty(sizes[at:at + nd], dtype=dtype, device=device))
+            at += nd
+    return out
+
+
+def _setup(ctx, inputs, output):
+    xs, h = inputs
+    ctx.h = h
+    ctx.sizes = [s for x, g in zip(xs, _entries[h].grad) if g for s in x.shape]
+    ctx.save_for_backward(output[-1])
+
+
+def _backward(ctx, grads):
+    (token,) = ctx.saved_tensors
+    e = _entries[ctx.h]
+    got = torch.ops.spmd.graph_op_backward(token, list(grads[:-1]), ctx.h, ctx.sizes)
+    it = iter(got)
+    return [next(it) if g else None for g in e.grad], None
+
+
+_graph_op.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,202 @@
+"""spmd functions under torch.compile: one opaque graph node each, values and gradients
+equal to eager, no rank's plan baked into a graph another rank reuses.
+
+The bodies run in float64 and compare to the eager body at 1e-10: inductor may fuse
+and reorder the body's own reductions (the loss's sum), nothing else differs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd
+from spmd import Mesh, P
+from spmd.collectives.compiled import graph_op
+from spmd.core.errors import SpecError
+
+F64 = torch.float64
+SPEC = P(None, None, "sp")
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(3, 2, 3, 3, dtype=F64, generator=g).requires_grad_()
+    w2 = torch.randn(4, 3, 3, 3, dtype=F64, generator=g).requires_grad_()
+    gamma = (1 + 0.1 * torch.randn(4, dtype=F64, generator=g)).requires_grad_()
+    x = torch.randn(2, 2, 9, 6, dtype=F64, generator=g)
+    return x, (w, w2, gamma)
+
+
+def _body(mesh: Mesh, params):
+    """halo_pad, a local conv, a halo'd conv, group and layer norm, psum."""
+    w, w2, gamma = params
+
+    def body(x):
+        y = spmd.halo_pad(x, mesh, "sp", 2, (1, 1))
+        y = F.conv2d(y, w, padding=(0, 1)).tanh()
+        y = spmd.ops.conv2d(y, w2, padding=1, mesh=mesh, spec=SPEC)
+        y = spmd.ops.group_norm(y, 2, gamma, None, mesh=mesh, spec=SPEC)
+        y = spmd.ops.layer_norm(y, (6,), mesh=mesh, spec=SPEC)
+        return spmd.psum((y ** 2).sum(), "sp")
+    return body
+
+
+def _step(mesh: Mesh, body, x, params):
+    for p in params:
+        p.grad = None
+    out = spmd.shard_map(body, mesh, in_specs=SPEC, out_specs=P())(x)
+    out.backward()
+    return out.detach(), [p.grad.clone() for p in params]
+
+
+def _close(a, b):
+    torch.testing.assert_close(a[0], b[0], **TOL)
+    for ga, gb in zip(a[1], b[1]):
+        torch.testing.assert_close(ga, gb, **TOL)
+
+
+def test_compiled_body_equals_eager_on_threads_with_uneven_shards():
+    """fullgraph=True: a single graph break would raise. Rows split 5/4: the two ranks
+    compile one graph each (dynamic=False), and neither bakes its plan into the
+    other's. The first compiled call runs inside AOTAutograd's checking mode, where
+    torch.func cannot record: its backward recomputes the forward (see
+    collectives.compiled); later calls replay the recorded one."""
+    mesh = Mesh((2,), ("sp",))
+    x, params = _params()
+    body = _body(mesh, params)
+    want = _step(mesh, body, x, params)
+    compiled = torch.compile(body, fullgraph=True, dynamic=False)
+    with spmd.comm_stats() as eager_stats:
+        _step(mesh, body, x, params)
+    for call in range(3):
+        with spmd.comm_stats() as stats:
+            got = _step(mesh, compiled, x, params)
+        _close(got, want)
+        if call == 2:
+            # The same collectives and bytes as eager, less one: eager anchors the
+            # halo_pad of x, which needs no gradient, and sends its halo's zero
+            # cotangents home; the graph knows on every rank that none is needed.
+            assert sorted(stats.records) == sorted(
+                r for r in eager_stats.records if r[0] != "halo_pad" or r[3] != "backward")
+
+
+def test_explain_finds_no_graph_break():
+    mesh = Mesh((1,), ("sp",))
+    x, params = _params()
+    body = _body(mesh, params)
+
+    def run(x):
+        ex = torch._dynamo.explain(body)(x)
+        return torch.tensor([ex.graph_count, ex.graph_break_count])
+
+    got = spmd.shard_map(run, mesh, in_specs=SPEC, out_specs=P("sp"))(x)
+    assert got.tolist() == [1, 0]
+
+
+def test_a_call_meta_cannot_describe_breaks_the_graph_and_stays_exact():
+    """A strided conv over the split dim: its output rows depend on every rank's size,
+    so it runs eagerly (a graph break; fullgraph=True refuses it)."""
+    mesh = Mesh((3,), ("sp",))
+    _, (w, w2, _) = _params()
+    x = torch.randn(1, 3, 11, 5, dtype=F64)
+
+    def body(x):
+        y = spmd.ops.conv2d(x, w2, stride=2, padding=1, mesh=mesh, spec=SPEC)
+        return spmd.psum(y.tanh().sum(), "sp")
+
+    run = lambda f: spmd.shard_map(f, mesh, in_specs=SPEC, out_specs=P())(x)  # noqa: E731
+    want = run(body)
+    torch.testing.assert_close(run(torch.compile(body, dynamic=False)), want, **TOL)
+    torch._dynamo.reset()  # dynamo caches per code object: forget the graphs with breaks
+    with pytest.raises(Exception, match="rank"):
+        run(torch.compile(body, fullgraph=True, dynamic=False))
+
+
+def test_the_rank_is_never_baked_into_a_shared_graph():
+    """axis_index reads the rank: under compile it is a graph break, and the code after
+    it is guarded on the value, so each rank gets its own (equal-shaped shards)."""
+    mesh = Mesh((4,), ("sp",))
+
+    def body(x):
+        r = spmd.axis_index("sp")
+        return x * (r + 1)
+
+    x = torch.ones(8, dtype=F64)
+    got = spmd.shard_map(torch.compile(body), mesh, in_specs=P("sp"), out_specs=P("sp"))(x)
+    assert got.tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def _wrong_meta(x, axis_name):
+    return [((x.shape[0] + 1,), x.dtype)]
+
+
+@graph_op(_wrong_meta)
+def _misdescribed(x, axis_name):
+    return spmd.psum(x, axis_name)
+
+
+def test_an_output_unlike_its_meta_raises():
+    mesh = Mesh((2,), ("sp",))
+    f = torch.compile(lambda x: _misdescribed(x, "sp") * 2, backend="eager")
+    with pytest.raises(SpecError, match="meta promised"):
+        spmd.shard_map(f, mesh, in_specs=P("sp"), out_specs=P("sp"))(torch.ones(4))
+
+
+def test_no_grad_call_records_nothing():
+    mesh = Mesh((2,), ("sp",))
+    x, params = _params()
+    body = _body(mesh, params)
+    want = spmd.shard_map(body, mesh, in_specs=SPEC, out_specs=P())(x)
+    with torch.no_grad():
+        got = spmd.shard_map(torch.compile(body, dynamic=False), mesh, in_specs=SPEC,
+                             out_specs=P())(x)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want.detach(), **TOL)
+
+
+# -- torch processes (gloo) ----------------------------------------------------------------
+
+def _gloo_compiled(mesh):
+    x, params = _params()
+    body = _body(mesh, params)
+    want = _step(mesh, body, x, params)
+    ex = torch._dynamo.explain(body)(x.narrow(2, 5 * mesh.rank, 5 - mesh.rank))
+    compiled = torch.compile(body, dynamic=False)
+    got = [_step(mesh, compiled, x, params) for _ in range(2)]
+    return ex.graph_count, ex.graph_break_count, want, got
+
+
+@pytest.mark.gloo
+def test_compiled_body_on_gloo_processes(gloo2):
+    for graphs, breaks, want, got in gloo2.run(_gloo_compiled, (2,), ("sp",)):
+        assert (graphs, breaks) == (1, 0)
+        for g in got:
+            _close(g, want)
+
+
+def test_compiling_shard_map_itself_runs_it_eagerly():
+    """torch.compile(shard_map(body)): dynamo cannot follow rank threads, so the call is
+    a graph break and runs as eager (compile the body instead)."""
+    mesh = Mesh((2,), ("sp",))
+    x, params = _params()
+    body = _body(mesh, params)
+    want = _step(mesh, body, x, params)
+    f = torch.compile(spmd.shard_map(body, mesh, in_specs=SPEC, out_specs=P()))
+    for p in params:
+        p.grad = None
+    out = f(x)
+    out.backward()
+    _close((out.detach(), [p.grad for p in params]), want)
+
+
+def test_a_converted_model_refuses_compile_on_every_rank():
+    mesh = Mesh((2,), ("sp",))
+    model = spmd.nn.convert(torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3, padding=1)), mesh,
+                            SPEC)
+    f = spmd.shard_map(torch.compile(lambda x: spmd.psum(model(x).sum(), "sp")), mesh,
+                       in_specs=SPEC, out_specs=P())
+    with pytest.raises(SpecError, match="torch.compile cannot trace a model made by") as e:
+        f(torch.randn(1, 2, 6, 5))
+    assert "rank" in str(e.value)
