@@ -49,7 +49,7 @@ def _steps(mesh: spmd.Mesh, size: int, steps: int, hidden: int, compiled: bool):
     f = spmd.shard_map(torch.compile(body, dynamic=False) if compiled else body, mesh,
                        (SPEC, SPEC), P())
     times = []
-    for i in range(steps + 3):
+    for _ in range(steps + 3):
         t0 = time.perf_counter()
         f(x, t).backward()
         times.append(time.perf_counter() - t0)
