@@ -37,7 +37,7 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh, mesh_by_uid
 from ..core.spec import P
 
-__all__ = ["graph_op", "Meta", "like_input"]
+__all__ = ["graph_op", "Meta", "like_input", "like_query"]
 
 Meta = Callable[..., "Sequence[tuple[Sequence[int], torch.dtype]] | None"]
 
@@ -156,6 +156,17 @@ def like_input(x: Any, *args: Any, **kwargs: Any) -> list | None:
     return [(x.shape, x.dtype)] if isinstance(x, torch.Tensor) else None
 
 
+def like_query(q: Any, k: Any, v: Any, *args: Any, seq_dim: int = -2, **kwargs: Any):
+    """``meta`` of attention: q's shape with v's head size, where q and k agree on every
+    dim but the sequence and the head size (no head broadcast)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.ndim != k.ndim:
+        return None
+    sd = seq_dim % q.ndim
+    if any(q.shape[d] != k.shape[d] for d in range(q.ndim - 1) if d != sd):
+        return None
+    return [((*q.shape[:-1], v.shape[-1]), q.dtype)]
+
+
 # -- the custom ops ----------------------------------------------------------------------
 
 class _NoRecording(Exception):
@@ -183,6 +194,11 @@ def _(xs, h):
 
 
 def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor):
+    # What the record keeps for backward must be ours: the compiled graph reuses the
+    # memory of its buffers once their last use (this op) has run, so inputs are
+    # copied before they are saved, and outputs (which the eager backward may save
+    # too: ring attention's) before they are returned.
+    xs = [x.clone() for x in xs]
     diff = [i for i, g in enumerate(e.grad) if g]
 
     def primal(*d):
@@ -201,9 +217,9 @@ def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor):
         token.spmd_backward = ("vjp", vjp, rc)
     except _NoRecording:
         outs = tuple(_outputs(e, e.call(xs)))
-        token.spmd_backward = ("recompute", [x.detach() for x in xs], rc)
+        token.spmd_backward = ("recompute", xs, rc)
     token.spmd_outs = [(o.shape, o.dtype, o.device) for o in outs]
-    return list(outs), token
+    return [o.clone() for o in outs], token
 
 
 def _outputs(e: _Entry, out: Any) -> list[torch.Tensor]:
@@ -285,3 +301,9 @@ def _backward(ctx, grads):
 
 
 _graph_op.register_autograd(_backward, setup_context=_setup)
+# Ordered effects: torch.compile keeps these ops in program order, forward and backward.
+# Every rank must start its collectives in the same order, and ranks with uneven shards
+# run graphs compiled apart, which could otherwise order independent ops differently.
+if hasattr(torch.library, "EffectType"):  # torch >= 2.9
+    _graph_op.register_effect(torch.library.EffectType.ORDERED)
+    _graph_op_backward.register_effect(torch.library.EffectType.ORDERED)

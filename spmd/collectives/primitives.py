@@ -268,6 +268,7 @@ _psum_scatter.defvjp(lambda x, axes, rc, d, sizes: (_psum_scatter(x, axes, rc, d
 
 # -- ppermute -------------------------------------------------------------------------------
 
+@graph_op(like_input)
 def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) -> torch.Tensor:
     """Send ``x`` along ``perm``, pairs ``(source index, destination index)`` of the axis.
 
@@ -405,6 +406,7 @@ _all_to_all.defvjp(_all_to_all_fwd, _all_to_all_bwd)
 
 # -- broadcast ------------------------------------------------------------------------------
 
+@graph_op(like_input)
 def broadcast(x: torch.Tensor, axis_name: AxisName, src: int = 0) -> torch.Tensor:
     """Index ``src``'s ``x`` on every rank of ``axis_name`` (same shape everywhere).
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op
 from ..collectives.primitives import _psum
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
@@ -37,6 +38,12 @@ __all__ = ["softmax", "log_softmax", "logsumexp"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
+
+def _like_x(x, dim, *, mesh=None, spec=None, dtype=None):
+    """softmax's output under torch.compile: x's shape, in ``dtype`` if given."""
+    return [(x.shape, dtype or x.dtype)] if isinstance(x, torch.Tensor) else None
+
+@graph_op(_like_x)
 def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
             dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.softmax`` of the global tensor whose shard ``x`` is, over ``dim``.
@@ -84,6 +91,7 @@ def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
     return _softmax(anchor(x), dims, axes, rc)
 
 
+@graph_op(_like_x)
 def log_softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.log_softmax`` of the global tensor whose shard ``x`` is, over ``dim``.

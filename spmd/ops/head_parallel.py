@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op, like_query
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of, gather_ints
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
@@ -48,6 +49,7 @@ __all__ = ["head_parallel_attention"]
 _WHAT = "head_parallel_attention"
 
 
+@graph_op(like_query)
 def head_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh,
                             axis: str | tuple[str, ...], *, seq_dim: int, causal: bool = False,
                             attn_mask: torch.Tensor | None = None, scale: float | None = None,

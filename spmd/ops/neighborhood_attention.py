@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op, like_query
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
@@ -236,6 +237,13 @@ def _doc(n: int, example: str) -> str:
 
 
 @with_layout(_output_layout)
+
+def _na_meta(q, k, v, *args, **kwargs):
+    """The output under torch.compile: q's shape ([B, *spatial, heads, head_dim]) with
+    v's head size."""
+    return like_query(q, k, v, seq_dim=1)
+
+@graph_op(_na_meta)
 def neighborhood_attention1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,
@@ -245,6 +253,7 @@ def neighborhood_attention1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @with_layout(_output_layout)
+@graph_op(_na_meta)
 def neighborhood_attention2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,
@@ -254,6 +263,7 @@ def neighborhood_attention2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 @with_layout(_output_layout)
+@graph_op(_na_meta)
 def neighborhood_attention3d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,

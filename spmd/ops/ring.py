@@ -22,6 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..collectives._anchor import anchor
+from ..collectives.compiled import graph_op, like_query
 from ..comm import comm_of, gather_ints
 from ..comm.stats import in_backward
 from ..core._context import on_mesh, static_layout, static_mismatch
@@ -37,6 +38,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _WHAT = "ring_attention"
 
 
+@graph_op(like_query)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh,
                    axis: str | tuple[str, ...], *, seq_dim: int, causal: bool = False,
                    attn_mask: torch.Tensor | None = None, scale: float | None = None,
@@ -150,7 +152,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
         qs = qs.expand(*qs.shape[:-3], plan.hkv, *qs.shape[-2:])
     if not (qs.requires_grad or ks.requires_grad or vs.requires_grad):
         qs = anchor(qs)  # every rank must run the backward ring, even without a gradient
-    out = _Ring.apply(qs, ks, vs, mask, plan)
+    out = _Ring.apply(qs, ks, vs, mask, plan)[0]
     out = out.movedim(-2, sd)
     return out.squeeze(0) if two_d else out
 
@@ -415,8 +417,12 @@ def _grouped_mask(mask: torch.Tensor | None, plan: _Plan, cdt) -> torch.Tensor |
 
 
 class _Ring(torch.autograd.Function):
+    """The ring's forward and its hand-written backward ring. setup_context style, so
+    torch.func (and torch.compile's spmd::graph_op, which records with it) can use it:
+    the log-sum-exp the backward needs is a second, non-differentiable output."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, plan):
+    def forward(q, k, v, mask, plan):
         cdt = _compute_dtype(q.dtype)
         g = plan.group
         n, me = g.size, g.index
@@ -434,15 +440,20 @@ class _Ring(torch.autograd.Function):
             if work is not None:
                 cur = work.wait()[(me - 1) % n]
         out5, lse = blk.finish((acc, m, ssum), q.dtype)
-        out = out5.flatten(-4, -3)
+        return out5.flatten(-4, -3), lse
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, mask, plan = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
         ctx.plan = plan
         ctx.mask_is_float = mask is not None and mask.dtype != torch.bool
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        return out
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gout):
+    def backward(ctx, gout, _glse):
         q, k, v, out, lse, mask = ctx.saved_tensors
         plan = ctx.plan
         with in_backward():

@@ -200,3 +200,33 @@ def test_a_converted_model_refuses_compile_on_every_rank():
     with pytest.raises(SpecError, match="torch.compile cannot trace a model made by") as e:
         f(torch.randn(1, 2, 6, 5))
     assert "rank" in str(e.value)
+
+
+def test_attention_and_softmax_over_a_split_dim_compile_whole():
+    """ring and head-parallel attention, neighbourhood attention and softmax over the
+    split sequence: one node each (fullgraph), values and gradients as eager."""
+    mesh = Mesh((2,), ("sp",))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 11, 8, dtype=F64, generator=g) for _ in range(3))
+    w = torch.randn(8, 8, dtype=F64, generator=g).requires_grad_()
+    s = P(None, None, "sp")
+
+    def body(q, k, v):
+        a = spmd.ops.ring_attention(q @ w, k, v, mesh, "sp", seq_dim=2, causal=True)
+        b = spmd.ops.head_parallel_attention(q, k @ w, v, mesh, "sp", seq_dim=2)
+        # [B, L, heads, head_dim] for neighbourhood attention, L split
+        n = spmd.ops.neighborhood_attention1d(*(t.transpose(1, 2) for t in (q @ w, k, v)),
+                                               3, mesh=mesh, spec=P(None, "sp"))
+        p = spmd.ops.softmax(a + b + n.transpose(1, 2), 2, mesh=mesh, spec=s)
+        return spmd.psum((p * v).sum(), "sp")
+
+    def run(f):
+        w.grad = None
+        out = spmd.shard_map(f, mesh, in_specs=(s, s, s), out_specs=P())(q, k, v)
+        out.backward()
+        return out.detach(), [w.grad.clone()]
+
+    want = run(body)
+    compiled = torch.compile(body, fullgraph=True, dynamic=False)
+    for _ in range(2):
+        _close(run(compiled), want)
