@@ -26,6 +26,7 @@ import optree
 import torch
 
 from .collectives._anchor import collect_anchors
+from .collectives.compiled import prepare
 from .comm import comm_of, validating
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
@@ -98,6 +99,7 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
     sm = _ShardMap(f, mesh, in_specs, out_specs, check_rep, params_fn, static_layouts)
 
     def mapped(*args: Any) -> Any:
+        prepare()  # a body compiled with torch.compile: spmd functions as graph ops
         if torch.compiler.is_compiling():
             # Dynamo cannot follow rank threads or processes' plans: the whole call runs
             # eagerly (a graph break). Compile the body instead: shard_map(torch.compile(f)).

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh, mesh_by_uid
 from ..core.spec import P
 
-__all__ = ["graph_op", "Meta", "like_input", "like_query"]
+__all__ = ["graph_op", "Meta", "like_input", "like_query", "prepare"]
 
 Meta = Callable[..., "Sequence[tuple[Sequence[int], torch.dtype]] | None"]
 
@@ -86,7 +87,6 @@ class _Entry:
         return [(tuple(s), d) for s, d in self.meta(*args, **kwargs)]
 
 
-@torch.compiler.assume_constant_result
 def _handle(fn: Callable, meta: Meta, args: tuple, kwargs: tuple, inputs: tuple,
             grad: tuple, outputs: int) -> int:
     key = (fn, meta, args, kwargs, inputs, grad, outputs)
@@ -95,6 +95,24 @@ def _handle(fn: Callable, meta: Meta, args: tuple, kwargs: tuple, inputs: tuple,
         h = _index[key] = len(_entries)
         _entries.append(_Entry(*key))
     return h
+
+
+# ``_handle`` as dynamo must see it: run at trace time, its result a constant. Marking
+# it imports torch._dynamo (a second, at the time of writing), so it is done only once
+# something else has imported dynamo (``torch.compile`` does, before it traces).
+_traced_handle: Callable | None = None
+
+
+def prepare() -> None:
+    """Get ready for tracing if torch.compile is in use (cheap; shard_map calls it)."""
+    global _traced_handle
+    if _traced_handle is None and "torch._dynamo" in sys.modules:
+        _traced_handle = torch.compiler.assume_constant_result(_handle)
+
+
+def _eager_then_prepare(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    prepare()
+    return fn(*args, **kwargs)
 
 
 def graph_op(meta: Meta, outputs: int = 1) -> Callable[[Callable], Callable]:
@@ -128,11 +146,14 @@ def _traced(fn, meta, outputs, args, kwargs):
 
     targs = tuple(slot(a) for a in args)
     tkw = tuple((k, slot(v)) for k, v in kwargs.items())
-    if not tensors or not _static(targs, tkw) or meta(*args, **kwargs) is None:
-        return torch.compiler.disable(fn)(*args, **kwargs)  # a graph break, never a baked plan
+    if (_traced_handle is None or not tensors or not _static(targs, tkw)
+            or meta(*args, **kwargs) is None):
+        # a graph break, never a baked plan (and, if dynamo was imported after the last
+        # shard_map call, ready for the recompile the changed global causes)
+        return torch.compiler.disable(_eager_then_prepare)(fn, args, kwargs)
     grad = tuple(torch.is_grad_enabled() and t.requires_grad for t in tensors)
     inputs = tuple((t.ndim, t.dtype, t.device) for t in tensors)
-    h = _handle(fn, meta, targs, tkw, inputs, grad, outputs)
+    h = _traced_handle(fn, meta, targs, tkw, inputs, grad, outputs)
     outs = torch.ops.spmd.graph_op(tensors, h)[:-1]
     return outs[0] if outputs == 1 else tuple(outs)
 

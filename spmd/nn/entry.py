@@ -147,7 +147,6 @@ class _Frame:
         self.entries: tuple | None = None
 
 
-@torch.compiler.disable
 def _refuse_compile() -> None:
     raise SpecError(
         "convert: torch.compile cannot trace a model made by spmd.nn.convert (its forward "
@@ -164,7 +163,7 @@ class Enter:
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict):
         if torch.compiler.is_compiling():
-            _refuse_compile()
+            torch.compiler.disable(_refuse_compile)()  # raised at run time, on every rank
         frames = _state()
         frame = _Frame(module)
         frames.append(frame)  # first: the exit hook pops it even if what follows raises

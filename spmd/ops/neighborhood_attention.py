@@ -236,13 +236,13 @@ def _doc(n: int, example: str) -> str:
             + "\n    Example:\n" + example)
 
 
-@with_layout(_output_layout)
-
 def _na_meta(q, k, v, *args, **kwargs):
     """The output under torch.compile: q's shape ([B, *spatial, heads, head_dim]) with
     v's head size."""
     return like_query(q, k, v, seq_dim=1)
 
+
+@with_layout(_output_layout)
 @graph_op(_na_meta)
 def neighborhood_attention1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,

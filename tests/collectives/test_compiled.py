@@ -230,3 +230,34 @@ def test_attention_and_softmax_over_a_split_dim_compile_whole():
     compiled = torch.compile(body, fullgraph=True, dynamic=False)
     for _ in range(2):
         _close(run(compiled), want)
+
+
+def test_errors_under_compile_are_the_eager_errors_on_every_rank():
+    """A wrong axis and a halo wider than the global size: the eager function raises
+    at run time inside the compiled graph, with its own message, on every rank."""
+    mesh = Mesh((2,), ("sp",))
+    bad_axis = torch.compile(lambda x: spmd.psum(x.sin(), "nope"), dynamic=False)
+    too_wide = torch.compile(lambda x: spmd.halo_pad(x.sin(), mesh, "sp", 0, (5, 5),
+                                                     mode="reflect"), dynamic=False)
+    for f, match in ((bad_axis, "nope"), (too_wide, "reflect")):
+        with pytest.raises(SpecError, match=match):
+            spmd.shard_map(f, mesh, in_specs=P("sp"), out_specs=P("sp"))(torch.ones(4))
+
+
+def test_before_dynamo_was_seen_spmd_calls_run_eagerly_then_compile(monkeypatch):
+    """spmd marks its trace-time handle only once torch._dynamo is imported (importing
+    it costs a second); per-rank code compiled under spmd.launch, with no shard_map
+    call since, first runs its spmd calls eagerly (graph breaks), then recompiles."""
+    from spmd.collectives import compiled
+    monkeypatch.setattr(compiled, "_traced_handle", None)
+    torch._dynamo.reset()
+
+    def rank(mesh):
+        f = torch.compile(lambda x: spmd.psum(x.sin(), "sp") * 2, dynamic=False)
+        x = torch.full((3,), float(mesh.rank + 1))
+        return [f(x).tolist() for _ in range(2)]
+
+    want = [(2 * (torch.full((3,), 1.0).sin() + torch.full((3,), 2.0).sin())).tolist()] * 2
+    for got in spmd.launch(rank, (2,), ("sp",)):
+        assert torch.allclose(torch.tensor(got), torch.tensor(want))
+    assert compiled._traced_handle is not None
