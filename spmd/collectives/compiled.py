@@ -69,22 +69,41 @@ def _decode(v: Any, xs: Sequence[torch.Tensor]) -> Any:
 
 
 class _Entry:
-    __slots__ = ("fn", "meta", "args", "kwargs", "inputs", "grad", "outputs", "name")
+    __slots__ = ("fn", "meta", "args", "kwargs", "inputs", "grad", "outputs", "name", "diff")
 
     def __init__(self, fn, meta, args, kwargs, inputs, grad, outputs):
         self.fn, self.meta, self.args, self.kwargs = fn, meta, args, kwargs
         self.inputs, self.grad, self.outputs = inputs, grad, outputs
         self.name = getattr(fn, "__qualname__", repr(fn))
+        self.diff = [i for i, g in enumerate(grad) if g]  # the inputs that get gradients
+
+    def _bound(self, xs: Sequence[torch.Tensor]) -> tuple[list, dict]:
+        return ([_decode(a, xs) for a in self.args],
+                {k: _decode(v, xs) for k, v in self.kwargs})
 
     def call(self, xs: Sequence[torch.Tensor]) -> Any:
-        args = [_decode(a, xs) for a in self.args]
-        kwargs = {k: _decode(v, xs) for k, v in self.kwargs}
+        args, kwargs = self._bound(xs)
         return self.fn(*args, **kwargs)
 
     def shapes(self, xs: Sequence[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        args = [_decode(a, xs) for a in self.args]
-        kwargs = {k: _decode(v, xs) for k, v in self.kwargs}
+        args, kwargs = self._bound(xs)
         return [(tuple(s), d) for s, d in self.meta(*args, **kwargs)]
+
+    def primal(self, xs: Sequence[torch.Tensor], probe: bool = False) -> Callable:
+        """The call as a function of its differentiable inputs (the others as in ``xs``),
+        for ``torch.func.vjp``; ``probe``: first fail with _NoRecording where torch.func
+        cannot record."""
+        def f(*d):
+            if probe:
+                try:
+                    d[0].view(d[0].shape)  # a no-op that fails at once where it cannot
+                except RuntimeError as err:
+                    raise _NoRecording from err
+            full = list(xs)
+            for i, t in zip(self.diff, d):
+                full[i] = t
+            return tuple(_outputs(self, self.call(full)))
+        return f
 
 
 def _handle(fn: Callable, meta: Meta, args: tuple, kwargs: tuple, inputs: tuple,
@@ -198,13 +217,19 @@ class _NoRecording(Exception):
 def _graph_op(xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
     e = _entries[h]
     token = torch.zeros((), dtype=torch.int64)
-    if any(e.grad):
-        outs, token = _record(e, xs, token)
+    if e.diff:
+        outs = _record(e, xs, token)
+        # What the record keeps must be ours: the compiled graph reuses a buffer's
+        # memory once its last use has run. The record saved copies of the inputs;
+        # the eager backward may save the outputs too (ring attention does), so the
+        # graph gets copies of those (contiguous, as the fake outputs are).
+        got = [o.clone(memory_format=torch.contiguous_format) for o in outs]
     else:
         outs = _outputs(e, e.call(xs))
+        # contiguous, as the fake outputs are; never an alias of an input
+        got = [_unaliased(o.contiguous(), xs) for o in outs]
     _check(e, xs, outs)
-    # the fake outputs are contiguous, and compiled code indexes by their strides
-    return [_unaliased(o.contiguous(), xs) for o in outs] + [token]
+    return got + [token]
 
 
 @_graph_op.register_fake
@@ -214,33 +239,18 @@ def _(xs, h):
     return outs + [torch.empty((), dtype=torch.int64, device="cpu")]
 
 
-def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor):
-    # What the record keeps for backward must be ours: the compiled graph reuses the
-    # memory of its buffers once their last use (this op) has run, so inputs are
-    # copied before they are saved, and outputs (which the eager backward may save
-    # too: ring attention's) before they are returned.
-    xs = [x.clone() for x in xs]
-    diff = [i for i, g in enumerate(e.grad) if g]
-
-    def primal(*d):
-        try:
-            d[0].view(d[0].shape)  # a no-op that fails at once where torch.func cannot record
-        except RuntimeError as err:
-            raise _NoRecording from err
-        full = list(xs)
-        for i, t in zip(diff, d):
-            full[i] = t
-        return tuple(_outputs(e, e.call(full)))
-
+def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor) -> list[torch.Tensor]:
+    """Run the call, keeping on ``token`` what its backward needs; returns its outputs."""
+    xs = [x.clone() for x in xs]  # see _graph_op: the record's inputs are its own
     rc = current(e.name)
     try:
-        outs, vjp = torch.func.vjp(primal, *[xs[i] for i in diff])
+        outs, vjp = torch.func.vjp(e.primal(xs, probe=True), *[xs[i] for i in e.diff])
         token.spmd_backward = ("vjp", vjp, rc)
     except _NoRecording:
         outs = tuple(_outputs(e, e.call(xs)))
         token.spmd_backward = ("recompute", xs, rc)
     token.spmd_outs = [(o.shape, o.dtype, o.device) for o in outs]
-    return [o.clone() for o in outs], token
+    return list(outs)
 
 
 def _outputs(e: _Entry, out: Any) -> list[torch.Tensor]:
@@ -283,14 +293,7 @@ def _graph_op_backward(token: torch.Tensor, grads: list[torch.Tensor | None], h:
           for g, (s, d, dev) in zip(grads, token.spmd_outs)]
     with rc:
         if how == "recompute":
-            diff = [i for i, g in enumerate(e.grad) if g]
-
-            def primal(*d):
-                full = list(what)
-                for i, t in zip(diff, d):
-                    full[i] = t
-                return tuple(_outputs(e, e.call(full)))
-            _, what = torch.func.vjp(primal, *[what[i] for i in diff])
+            _, what = torch.func.vjp(e.primal(what), *[what[i] for i in e.diff])
         got = what(tuple(gs))
     return [g.contiguous() for g in got]
 

@@ -43,10 +43,12 @@ def _body(mesh: Mesh, params):
     return body
 
 
-def _step(mesh: Mesh, body, x, params):
+def _step(mesh: Mesh, body, x, params, in_specs=SPEC):
+    """One call and backward; ``x`` a tensor or a tuple of them (``in_specs`` to match)."""
     for p in params:
         p.grad = None
-    out = spmd.shard_map(body, mesh, in_specs=SPEC, out_specs=P())(x)
+    args = x if isinstance(x, tuple) else (x,)
+    out = spmd.shard_map(body, mesh, in_specs=in_specs, out_specs=P())(*args)
     out.backward()
     return out.detach(), [p.grad.clone() for p in params]
 
@@ -220,16 +222,10 @@ def test_attention_and_softmax_over_a_split_dim_compile_whole():
         p = spmd.ops.softmax(a + b + n.transpose(1, 2), 2, mesh=mesh, spec=s)
         return spmd.psum((p * v).sum(), "sp")
 
-    def run(f):
-        w.grad = None
-        out = spmd.shard_map(f, mesh, in_specs=(s, s, s), out_specs=P())(q, k, v)
-        out.backward()
-        return out.detach(), [w.grad.clone()]
-
-    want = run(body)
+    want = _step(mesh, body, (q, k, v), [w], (s, s, s))
     compiled = torch.compile(body, fullgraph=True, dynamic=False)
     for _ in range(2):
-        _close(run(compiled), want)
+        _close(_step(mesh, compiled, (q, k, v), [w], (s, s, s)), want)
 
 
 def test_errors_under_compile_are_the_eager_errors_on_every_rank():
