@@ -26,9 +26,12 @@ break, never a baked plan.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -173,7 +176,9 @@ def _traced(fn, meta, outputs, args, kwargs):
     grad = tuple(torch.is_grad_enabled() and t.requires_grad for t in tensors)
     inputs = tuple((t.ndim, t.dtype, t.device) for t in tensors)
     h = _traced_handle(fn, meta, targs, tkw, inputs, grad, outputs)
-    outs = torch.ops.spmd.graph_op(tensors, h)[:-1]
+    got = torch.ops.spmd.graph_op(tensors, h, [_forward.token], _BUILD)
+    _forward.token = got[-1]  # dynamo tracks this: the next op's input, an edge
+    outs = got[:-2]
     return outs[0] if outputs == 1 else tuple(outs)
 
 
@@ -209,12 +214,21 @@ def like_query(q: Any, k: Any, v: Any, *args: Any, seq_dim: int = -2, **kwargs: 
 
 # -- the custom ops ----------------------------------------------------------------------
 
+# A fingerprint of this file, an argument of every graph_op call: torch's compile caches
+# (on disk, across processes) key a graph by what dynamo traced, not by the autograd
+# formula registered below, so without it a cached backward of an older spmd could run.
+_BUILD = int(hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12], 16)
+
 class _NoRecording(Exception):
     """torch.func cannot record here (the forward runs inside a TorchDispatchMode)."""
 
 
 @torch.library.custom_op("spmd::graph_op", mutates_args=())
-def _graph_op(xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
+def _graph_op(xs: list[torch.Tensor], h: int, after: list[torch.Tensor],
+              build: int) -> list[torch.Tensor]:
+    # returns the outputs, the token that keeps the record, and a chain token; ``after``
+    # is the chain token of the op before it, an input only to order it (see _Chain);
+    # ``build``: _BUILD, unused at run time
     e = _entries[h]
     token = torch.zeros((), dtype=torch.int64)
     if e.diff:
@@ -229,14 +243,18 @@ def _graph_op(xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
         # contiguous, as the fake outputs are; never an alias of an input
         got = [_unaliased(o.contiguous(), xs) for o in outs]
     _check(e, xs, outs)
-    return got + [token]
+    return got + [token, _new_token()]
 
 
 @_graph_op.register_fake
-def _(xs, h):
+def _(xs, h, after, build):
     e = _entries[h]
     outs = [xs[0].new_empty(s, dtype=d) for s, d in e.shapes(xs)]
-    return outs + [torch.empty((), dtype=torch.int64, device="cpu")]
+    return outs + [_new_token(), _new_token()]
+
+
+def _new_token() -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device="cpu")
 
 
 def _record(e: _Entry, xs: list[torch.Tensor], token: torch.Tensor) -> list[torch.Tensor]:
@@ -273,6 +291,7 @@ def _check(e: _Entry, xs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
 
 def _unaliased(o: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
     # a custom op's output may not alias its input (an identity at width 0, a no-op psum)
+    # or another output; an empty tensor aliases nothing
     p = o.untyped_storage().data_ptr()
     if p and any(x.untyped_storage().data_ptr() == p for x in xs):
         return o.clone()
@@ -281,7 +300,9 @@ def _unaliased(o: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.library.custom_op("spmd::graph_op_backward", mutates_args=())
 def _graph_op_backward(token: torch.Tensor, grads: list[torch.Tensor | None], h: int,
-                       sizes: list[int]) -> list[torch.Tensor]:
+                       sizes: list[int], after: list[torch.Tensor]) -> list[torch.Tensor]:
+    # ``after``: the chain token of the backward that autograd ran just before this
+    # one; taking it as an input is what orders this op after it (see _Chain)
     e = _entries[h]
     saved = getattr(token, "spmd_backward", None)
     if saved is None:
@@ -295,39 +316,96 @@ def _graph_op_backward(token: torch.Tensor, grads: list[torch.Tensor | None], h:
         if how == "recompute":
             _, what = torch.func.vjp(e.primal(what), *[what[i] for i in e.diff])
         got = what(tuple(gs))
-    return [g.contiguous() for g in got]
+    outs: list[torch.Tensor] = []
+    for g in got:  # nor may a gradient alias an incoming one, or another gradient
+        outs.append(_unaliased(g.contiguous(), [*gs, *outs]))
+    return outs + [_new_token()]
 
 
 @_graph_op_backward.register_fake
-def _(token, grads, h, sizes):
+def _(token, grads, h, sizes, after):
     # one gradient per input that needs one: its shape from the flat ``sizes``
     out, at = [], 0
     for (nd, dtype, device), g in zip(_entries[h].inputs, _entries[h].grad):
         if g:
             out.append(torch.empty(sizes[at:at + nd], dtype=dtype, device=device))
             at += nd
-    return out
+    return out + [_new_token()]
+
+
+class _Chain:
+    """The order every rank starts its collectives in, as data the compiler must keep.
+
+    Every rank must start its collectives in the same order. Ranks with uneven shards
+    run graphs compiled apart, and inductor orders what no data orders by its own
+    heuristics, which depend on shapes: with an empty shard (every tensor a known
+    zero) it was seen to run two independent convs' forwards, and a halo_pad's and
+    a conv's backwards, in another order than its peers did. A swap of two
+    collectives of one shape would go unnoticed: a silently wrong result. Ordered
+    effects do not prevent this in torch 2.13. So each op takes a chain token of the
+    op before it as an input:
+
+    - forward, ``_forward.token`` holds the last op's token; dynamo tracks the
+      attribute, so within a graph each op's input is its predecessor's output (and
+      between graphs, which run in program order anyway, it carries the last one on);
+    - backward, the ops of one traced graph join a ``_Chain`` in the order autograd
+      ran their formulas at trace time (on fake tensors: an order that comes from the
+      graph, the same on every rank), and each takes the last one's token.
+    """
+    __slots__ = ("last", "used")
+
+    def __init__(self) -> None:
+        self.last: torch.Tensor | None = None
+        self.used = False
+
+
+class _ForwardToken:
+    __slots__ = ("token",)
+
+    def __init__(self) -> None:
+        # a tensor from the start: dynamo guards on what it reads, and None would
+        # recompile once the first graph stores a token
+        self.token = _new_token()
+
+
+_forward = _ForwardToken()
+_local = threading.local()  # per rank thread: the chain the next forward joins
+
+
+def _forward_chain() -> _Chain:
+    # A forward joins the chain of the forwards before it until a backward has used
+    # that chain: a graph is traced forward first, then backward, so a new trace
+    # never reaches an old trace's tokens.
+    c = getattr(_local, "chain", None)
+    if c is None or c.used:
+        c = _local.chain = _Chain()
+    return c
 
 
 def _setup(ctx, inputs, output):
-    xs, h = inputs
-    ctx.h = h
+    xs, h, after, _ = inputs
+    ctx.h, ctx.after = h, len(after)
     ctx.sizes = [s for x, g in zip(xs, _entries[h].grad) if g for s in x.shape]
-    ctx.save_for_backward(output[-1])
+    ctx.chain = _forward_chain()
+    ctx.save_for_backward(output[-2])
 
 
 def _backward(ctx, grads):
     (token,) = ctx.saved_tensors
-    e = _entries[ctx.h]
-    got = torch.ops.spmd.graph_op_backward(token, list(grads[:-1]), ctx.h, ctx.sizes)
-    it = iter(got)
-    return [next(it) if g else None for g in e.grad], None
+    e, chain = _entries[ctx.h], ctx.chain
+    after = [] if chain.last is None else [chain.last]
+    got = torch.ops.spmd.graph_op_backward(token, list(grads[:-2]), ctx.h, ctx.sizes,
+                                           after)
+    chain.last, chain.used = got[-1], True
+    it = iter(got[:-1])
+    return [next(it) if g else None for g in e.grad], None, [None] * ctx.after, None
 
 
 _graph_op.register_autograd(_backward, setup_context=_setup)
-# Ordered effects: torch.compile keeps these ops in program order, forward and backward.
-# Every rank must start its collectives in the same order, and ranks with uneven shards
-# run graphs compiled apart, which could otherwise order independent ops differently.
+# Ordered effects: torch.compile keeps these ops in program order forward (every rank
+# must start its collectives in the same order, and ranks with uneven shards run graphs
+# compiled apart); backward, _Chain orders them, as torch 2.13 does not order effects
+# there.
 if hasattr(torch.library, "EffectType"):  # torch >= 2.9
     _graph_op.register_effect(torch.library.EffectType.ORDERED)
     _graph_op_backward.register_effect(torch.library.EffectType.ORDERED)

@@ -6,6 +6,8 @@ and reorder the body's own reductions (the loss's sum), nothing else differs.
 """
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 import spmd
 from spmd import Mesh, P
 from spmd.collectives.compiled import graph_op
-from spmd.core.errors import CommError, SpecError
+from spmd.core.errors import SpecError
 
 F64 = torch.float64
 SPEC = P(None, None, "sp")
@@ -259,13 +261,11 @@ def test_before_dynamo_was_seen_spmd_calls_run_eagerly_then_compile(monkeypatch)
     assert compiled._traced_handle is not None
 
 
-@pytest.mark.xfail(strict=True, raises=CommError, reason=(
-    "known: on the rank with the empty shard the compiled backward runs halo_pad's "
-    "backward before conv2d's (with no rows, nothing ties them), the other ranks in "
-    "program order; ordered effects do not order backward ops in torch 2.13. The "
-    "threads backend names the mismatch (CommError); open in issue 17's note"))
 def test_a_2d_mesh_a_product_of_axes_and_an_empty_shard():
-    """Rows split over ("a", "b") of a 2x2 mesh, 3 rows: the last rank holds none."""
+    """Rows split over ("a", "b") of a 2x2 mesh, 3 rows: the last rank holds none.
+    There every tensor is a known zero and nothing but the chain tokens orders the
+    ops: without them inductor ran halo_pad's backward before conv2d's on that rank
+    only (the threads backend names the mismatch: CommError)."""
     mesh = Mesh((2, 2), ("a", "b"))
     spec = P(None, None, ("a", "b"))
     _, (w, _, _) = _params()
@@ -302,3 +302,81 @@ def test_a_2d_mesh_and_a_product_of_axes_with_uneven_shards():
     compiled = torch.compile(body, fullgraph=True, dynamic=False)
     for _ in range(2):
         _close(_step(mesh, compiled, x, (w, x), spec), want)
+
+
+def test_independent_branches_start_their_collectives_in_program_order_on_every_rank():
+    """Two convs of one input, two psums: no data orders them. On the rank with the
+    empty shard inductor ran both convs before the first psum, its peers did not
+    (CommError here; on processes a swap of two same-shaped collectives would go
+    unnoticed). The chain tokens make every rank run program order."""
+    mesh = Mesh((2, 2), ("a", "b"))
+    spec = P(None, None, ("a", "b"))
+    g = torch.Generator().manual_seed(5)
+    wa = torch.randn(2, 2, 3, 3, dtype=F64, generator=g).requires_grad_()
+    wb = torch.randn(2, 2, 3, 3, dtype=F64, generator=g).requires_grad_()
+    x = torch.randn(1, 2, 3, 5, dtype=F64, generator=g).requires_grad_()
+
+    def body(x):
+        a = spmd.ops.conv2d(x, wa, padding=1, mesh=mesh, spec=spec)
+        b = spmd.ops.conv2d(x * 2, wb, padding=1, mesh=mesh, spec=spec)
+        return spmd.psum((a * a).sum(), ("a", "b")) + spmd.psum((b ** 3).sum(), ("a", "b"))
+
+    want = _step(mesh, body, x, (wa, wb, x), spec)
+    compiled = torch.compile(body, fullgraph=True, dynamic=False)
+    for _ in range(2):
+        _close(_step(mesh, compiled, x, (wa, wb, x), spec), want)
+
+
+def _op_nodes(gm):
+    """(node, the op's ``after`` argument) of each spmd op of a graph, in graph order;
+    through ``with_effects`` where the op is an ordered effect."""
+    ops = {torch.ops.spmd.graph_op.default: 2, torch.ops.spmd.graph_op_backward.default: 4}
+    out = []
+    for n in gm.graph.nodes:
+        if n.target in ops:
+            out.append((n, n.args[ops[n.target]]))
+        elif n.op == "call_function" and len(n.args) > 1 and n.args[1] in ops:
+            out.append((n, n.args[2 + ops[n.args[1]]]))
+    return out
+
+
+def _source(n):
+    while n.target is operator.getitem:
+        n = n.args[0]
+    return n
+
+
+def test_each_op_forward_and_backward_takes_the_chain_token_of_the_one_before():
+    """The graphs AOTAutograd hands the compiler: each spmd op's ``after`` is an output
+    of the op just before it in the graph, forward and backward; this order does not
+    rest on inductor keeping ordered effects (it does not)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    mesh = Mesh((1,), ("sp",))
+    g = torch.Generator().manual_seed(6)
+    wa = torch.randn(2, 2, 3, 3, dtype=F64, generator=g).requires_grad_()
+    wb = torch.randn(2, 2, 3, 3, dtype=F64, generator=g).requires_grad_()
+
+    def body(x):
+        a = spmd.ops.conv2d(x, wa, padding=1, mesh=mesh, spec=SPEC)
+        b = spmd.ops.conv2d(x, wb, padding=1, mesh=mesh, spec=SPEC)
+        return spmd.psum((a * b).sum(), "sp")
+
+    compiled = torch.compile(body, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                             fullgraph=True, dynamic=False)
+    x = torch.randn(1, 2, 6, 5, dtype=F64, generator=g)
+    spmd.shard_map(compiled, mesh, in_specs=SPEC, out_specs=P())(x).backward()
+    assert len(graphs) == 2
+    for gm in graphs:
+        ops = _op_nodes(gm)
+        assert len(ops) == 3  # two convs and a psum, or their backwards
+        assert len(ops[0][1]) <= 1
+        for (prev, _), (_, after) in zip(ops, ops[1:]):
+            assert [_source(a) for a in after] == [prev]
