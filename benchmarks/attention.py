@@ -19,9 +19,11 @@ Sections (each a function returning table rows; ``main`` prints them):
   Bytes are what each rank sent per step (spmd.comm_stats), forward and backward.
 - ``neighborhood_section``: ``spmd.ops.neighborhood_attention2d``, f32[1, 128, 128, 4, 32]
   (heads last), kernel 7, the rows split over ``world`` processes, against the same op
-  on one process (T1, ``mesh=None``); the halo's transfers alone (``t_comm``: the key
-  and value fetches and their transposes, no attention) and the bytes each rank sent,
-  against the rows it needs (3 rows of k and v per neighbour and pass).
+  on one process (T1, ``mesh=None``): with the halo overlapped with the interior's
+  attention (the default), and with the whole window fetched first; the halo's
+  transfers alone (the key and value fetches and their transposes, no attention), the
+  share of them the overlap hides, and the bytes each rank sent against the rows it
+  needs (3 rows of k and v per neighbour and pass).
 """
 from __future__ import annotations
 
@@ -176,32 +178,68 @@ def na_single(mesh, shape, kernel, steps):
 
 
 def na_per_rank(mesh, shape, kernel, steps):
-    """On each gloo rank: (t_total, t_comm) in ms, bytes sent fwd, bwd."""
+    """On each gloo rank, in ms: (overlapped, not overlapped, transfers alone), and the
+    bytes sent forward and backward. The three variants interleave step by step, so a
+    change in the machine's load hits them alike."""
     torch.set_num_threads(1)
     lay = Layout(shape, P(None, "sp"), mesh)
     q, k, v, go = (lay.shard(t, mesh.rank).clone() for t in _qkv(shape))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-
-    def step():
-        with mesh:
-            y = neighborhood_attention2d(q, k, v, kernel, mesh=mesh, spec=lay)
-            torch.autograd.grad(y, (q, k, v), go)
-
     _na = importlib.import_module("spmd.ops.neighborhood_attention")
-    real = _na._local
+    real = {name: getattr(_na, name) for name in ("_overlapped", "attend_forward",
+                                                   "attend_backward", "exchange_async",
+                                                   "transpose_async")}
 
-    def transfers_only():  # the same fetches and transposes, no attention
-        _na._local = lambda q, kw, vw, *rest: q * 0 + (kw.sum() + vw.sum())
+    def windowed(q, k, v, rpb, sp):  # the whole window fetched first, then attended
+        return _na._windowed(q, k, v, rpb, (sp.f,), sp.whole, sp.scale)
+
+    def no_forward(q, kw, vw, rpb, ix, scale):
+        return (q.new_zeros((*q.shape[:-1], vw.shape[-1])),
+                q.new_zeros((q.shape[0], q.shape[1], 1, q.shape[2])))
+
+    def no_backward(q, kw, vw, rpb, out, lse, g, ix, scale):
+        return torch.zeros_like(q), torch.zeros_like(kw), torch.zeros_like(vw), None
+
+    def arrived(x, f):  # zeros of the shape that would arrive, at once
+        need = f.plan[3][f.me]
+        return Pending.done([x.new_zeros([len(need[s][0]) if (d == f.dim and s in need) else n
+                                          for d, n in enumerate(x.shape)])
+                             for s in range(len(f.plan[0]))])
+
+    class Returned:  # the halo's gradients sent nowhere, none coming back
+        def __init__(self, g, f, apart):
+            pass
+
+        def wait(self, *, owned, own_grad=None):
+            return own_grad
+
+    variants = {"overlapped": {}, "windowed": {"_overlapped": windowed},
+                "compute": {"exchange_async": arrived, "transpose_async": Returned},
+                "transfers": {"attend_forward": no_forward, "attend_backward": no_backward}}
+
+    def step(variant):
+        for name, fn in variants[variant].items():
+            setattr(_na, name, fn)
         try:
-            step()
+            with mesh:
+                y = neighborhood_attention2d(q, k, v, kernel, mesh=mesh, spec=lay)
+                torch.autograd.grad(y, (q, k, v), go)
         finally:
-            _na._local = real
+            for name, fn in real.items():
+                setattr(_na, name, fn)
 
-    t_total = median_ms(step, steps, warmup=1)
-    t_comm = median_ms(transfers_only, steps, warmup=1)
+    times = {name: [] for name in variants}
+    for name in variants:
+        step(name)  # warm up
+    for _ in range(steps):
+        for name in variants:
+            t0 = time.perf_counter()
+            step(name)
+            times[name].append((time.perf_counter() - t0) * 1e3)
     with spmd.comm_stats() as s:
-        step()
-    return (t_total, t_comm, s.bytes(rank=mesh.rank, pass_="forward"),
+        step("overlapped")
+    med = [statistics.median(times[name]) for name in variants]
+    return (*med, s.bytes(rank=mesh.rank, pass_="forward"),
             s.bytes(rank=mesh.rank, pass_="backward"))
 
 
@@ -213,19 +251,24 @@ def neighborhood_section(a) -> list[tuple[str, list[str], list[list[str]]]]:
     t1 = spmd.launch(na_single, (1,), ("sp",), args=(shape, kernel, steps), timeout=3600)[0]
     got = spmd.launch(na_per_rank, (w,), ("sp",), backend="gloo",
                       args=(shape, kernel, steps), timeout=3600)
-    total, comm = (max(g[i] for g in got) for i in range(2))
+    over, whole, compute, comm = (max(g[i] for g in got) for i in range(4))
+    hidden = lambda t: f"{(comm + compute - t) / comm:.0%}"  # noqa: E731
     halo = kernel // 2 * shape[2] * shape[3] * shape[4] * 4 * 2  # rows x (k and v), f32
     need = " / ".join(f"{halo * (1 if r in (0, w - 1) else 2):,}" for r in range(w))
     title = (f"neighborhood attention f32{list(shape)} (batch, X, Y, heads, head_dim), "
              f"kernel {kernel}, X split over gloo world {w}, forward + backward, 1 thread "
-             f"per process")
+             f"per process (slowest rank); attention alone (no transfers): {compute:.1f} ms, "
+             f"transfers alone (no attention): {comm:.1f} ms")
+    sent = " / ".join(f"{g[4]:,} + {g[5]:,}" for g in got) + f" (halo: {need} each)"
     rows = [
-        ["one process: neighborhood_attention2d, mesh=None (T1)", f"{t1:.0f}", "1.00", "", "0"],
-        [f"neighborhood_attention2d, world {w}", f"{total:.0f}", f"{t1 / (w * total):.2f}",
-         f"{comm:.0f}", " / ".join(f"{g[2]:,} + {g[3]:,}" for g in got) + f" (halo: {need} each)"],
+        ["one process: neighborhood_attention2d, mesh=None (T1)", f"{t1:.1f}", "1.00", "", "0"],
+        [f"world {w}, halo overlapped with the interior (the default)", f"{over:.1f}",
+         f"{t1 / (w * over):.2f}", hidden(over), sent],
+        [f"world {w}, whole window fetched first", f"{whole:.1f}", f"{t1 / (w * whole):.2f}",
+         hidden(whole), sent],
     ]
     return [(title, ["variant", "ms per step", "parallel efficiency T1/(world*T)",
-                     "t_comm: halo transfers alone (ms)",
+                     "transfers hidden: (t_comm + t_compute - t) / t_comm",
                      "bytes sent per rank, fwd + bwd (rank 0 / rank 1 ...)"], rows)]
 
 

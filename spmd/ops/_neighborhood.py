@@ -37,7 +37,8 @@ import torch
 
 from ..collectives.vjp import custom_vjp
 
-__all__ = ["dim_windows", "dim_plan", "Index", "local_index", "attend"]
+__all__ = ["dim_windows", "dim_plan", "Index", "local_index", "attend", "attend_forward",
+           "attend_backward", "compute_dtype"]
 
 
 # -- one dim: windows and plans (pure arithmetic, the same on every rank) ---------------------
@@ -178,7 +179,7 @@ def _combined(dims: tuple[tuple, ...], device: str):
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in _HALF else t.dtype
 
 
@@ -204,13 +205,13 @@ def _bias(rpb: torch.Tensor | None, ix: Index, cd: torch.dtype) -> torch.Tensor 
     return rpb.to(cd).reshape(rpb.shape[0], -1)[:, ix.rel].permute(1, 2, 0)
 
 
-def _forward(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, rpb: torch.Tensor | None,
+def attend_forward(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, rpb: torch.Tensor | None,
              ix: Index, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(output ``[B, NQ, H, Dv]``, log-sum-exp ``[B, NQ, 1, H]``), differentiable torch
     code (the double backward differentiates it): scores slot chunk by slot chunk,
     bias, mask, softmax over the slots, weighted values."""
     K = ix.G.shape[1]
-    cd = _compute_dtype(q)
+    cd = compute_dtype(q)
     q, kw, vw = q.to(cd), kw.to(cd), vw.to(cd)
     bias = _bias(rpb, ix, cd)
     s = torch.cat([_scores(q, kw, ix, bias, scale, j, min(j + ix.chunk, K))
@@ -227,7 +228,7 @@ def _forward(q: torch.Tensor, kw: torch.Tensor, vw: torch.Tensor, rpb: torch.Ten
 
 
 def _attend_primal(q, kw, vw, rpb, ix, scale):
-    out, _ = _forward(q, kw, vw, rpb, ix, scale)
+    out, _ = attend_forward(q, kw, vw, rpb, ix, scale)
     return out.to(q.dtype)
 
 
@@ -236,7 +237,7 @@ attend = custom_vjp(_attend_primal, nondiff_argnums=(4, 5))
 
 def _attend_fwd(q, kw, vw, rpb, ix, scale):
     with torch.no_grad():
-        out, lse = _forward(q, kw, vw, rpb, ix, scale)
+        out, lse = attend_forward(q, kw, vw, rpb, ix, scale)
     return out.to(q.dtype), (q, kw, vw, rpb, out, lse)
 
 
@@ -245,13 +246,13 @@ def _attend_bwd(ix, scale, res, g):
     if torch.is_grad_enabled():  # create_graph: differentiate the forward again
         args = [a for a in (q, kw, vw, rpb) if a is not None]
         _, vjp = torch.func.vjp(
-            lambda *a: _forward(*a, *([None] if rpb is None else []), ix, scale)[0], *args)
+            lambda *a: attend_forward(*a, *([None] if rpb is None else []), ix, scale)[0], *args)
         got = vjp(g.to(out.dtype))
         return (*(t.to(a.dtype) for t, a in zip(got, args)), *([None] if rpb is None else []))
-    return _backward(q, kw, vw, rpb, out, lse, g, ix, scale)
+    return attend_backward(q, kw, vw, rpb, out, lse, g, ix, scale)
 
 
-def _backward(q, kw, vw, rpb, out, lse, g, ix, scale):
+def attend_backward(q, kw, vw, rpb, out, lse, g, ix, scale):
     """The softmax-attention VJP, recomputing the scores chunk by chunk: ``dS = P * (dP -
     rowsum(dO * O))``; key and value gradients are added into the window at the
     gathered positions (``index_add_``: the transpose of ``index_select``)."""

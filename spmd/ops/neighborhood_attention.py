@@ -16,23 +16,40 @@ narrower than the window, and are fetched with one all-to-all per split dim for 
 ``k`` and ``v`` (exactly those rows: dilated windows skip rows, and so does the fetch).
 Queries never move. Backward: the local kernel's VJP, then the halo's key and value
 gradients go back to their owners (the fetch's transpose).
+
+With one split spatial dim (the common case) the halo is overlapped with compute: the
+queries whose windows lie inside the shard (the interior) attend while the halo
+travels, the edge queries once it has arrived; backward, the edges' gradients are
+computed first and travel while the interior's backward runs. With several split dims
+the window is fetched whole first (the later dims fetch the corners).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
 
 from ..collectives._anchor import anchor
 from ..collectives.compiled import graph_op, like_query
+from ..collectives.vjp import custom_vjp
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
 from ..core.spec import as_spec
-from ..transforms.halo import Fetch, fetch_window
-from ._neighborhood import attend, dim_plan, dim_windows, local_index
+from ..transforms.halo import Fetch, assemble, exchange_async, fetch_window, transpose_async
+from ._neighborhood import (
+    attend,
+    attend_backward,
+    attend_forward,
+    compute_dtype,
+    dim_plan,
+    dim_windows,
+    local_index,
+)
 from ._window import _MeshOf, input_layout, with_layout
 
 __all__ = ["neighborhood_attention1d", "neighborhood_attention2d", "neighborhood_attention3d",
@@ -154,10 +171,18 @@ def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spe
         rows, plan = dim_plan(*geo, tuple(lay.sizes[dim]))
         fetches.append(Fetch(rc, axes, me, dim, plan, 0.0, what))
         dims.append((*geo, off[dim], q.shape[dim], rows[me], len(rows[me])))
+    if len(fetches) == 1:  # the common case: the halo travels while the interior attends
+        sp = _split_plan(fetches[0], tuple(dims), q, v, scale)
+        return _overlapped(q, anchor(k), anchor(v), rpb, sp)
+    return _windowed(q, k, v, rpb, fetches, tuple(dims), scale)
+
+
+def _windowed(q, k, v, rpb, fetches, dims, scale):
+    """The whole window fetched first, then attended (several split dims)."""
     kw, vw = k, v
     for f in fetches:  # one after the other: the later dims fetch the corners too
         kw, vw = fetch_window(anchor(kw), f), fetch_window(anchor(vw), f)
-    return _local(q, kw, vw, rpb, tuple(dims), scale)
+    return _local(q, kw, vw, rpb, dims, scale)
 
 
 def _local(q, kw, vw, rpb, dims, scale):
@@ -166,6 +191,173 @@ def _local(q, kw, vw, rpb, dims, scale):
     ix = local_index(dims, q.device, B * H * max(D, vw.shape[-1]))
     out = attend(q.flatten(1, -3), kw.flatten(1, -3), vw.flatten(1, -3), rpb, ix, scale)
     return out.view(*q.shape[:-1], vw.shape[-1])
+
+
+# -- one split dim: the halo travels while the interior attends -------------------------------
+
+@dataclass(frozen=True, eq=False)
+class _Split:
+    """Attention over one split spatial dim, in parts of this rank's query rows.
+
+    ``parts``: ``(r0, r1, dims, local)`` per run of query rows, in row order; ``local``
+    parts are the interior, whose windows lie inside the shard, attended from the
+    shard's own keys and values while the halo is on its way; the others (the edges)
+    from the fetched window once it has arrived. Backward: the edges first, so their
+    halo gradients travel while the interior's backward runs. ``dims``: as ``_local``'s,
+    with this part's query rows (and, for the interior, the shard as the window)."""
+    f: Fetch
+    dim: int  # the split tensor dim
+    pos: int  # where the shard starts in the window
+    parts: tuple
+    whole: tuple  # ``_local``'s dims for all of this rank's queries
+    scale: float
+    row_elems: int
+
+
+def _split_plan(f: Fetch, dims: tuple, q: torch.Tensor, v: torch.Tensor, scale: float) -> _Split:
+    i = f.dim - 1
+    L, k, d, causal, q0, n, rows, w = dims[i]
+    a, b = _interior(L, k, d, causal, q0, n)
+
+    def part(r0, r1, local):
+        dm = list(dims)
+        dm[i] = ((L, k, d, causal, q0 + r0, r1 - r0, tuple(range(q0, q0 + n)), n) if local
+                 else (L, k, d, causal, q0 + r0, r1 - r0, rows, w))
+        return (r0, r1, tuple(dm), local)
+
+    parts = tuple(part(r0, r1, loc) for r0, r1, loc in ((0, a, False), (a, b, True), (b, n, False))
+                  if r1 > r0)
+    pos = f.plan[2][f.me][0]
+    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    return _Split(f, f.dim, pos, parts, dims, scale, B * H * max(D, v.shape[-1]))
+
+
+@lru_cache(maxsize=256)
+def _interior(L: int, k: int, d: int, causal: bool, q0: int, n: int) -> tuple[int, int]:
+    """The longest run ``[a, b)`` of local query rows whose windows lie in the shard
+    ``[q0, q0 + n)`` (``a == b``: none)."""
+    if n == 0:
+        return 0, 0
+    keys, valid, _ = dim_windows(L, k, d, causal)
+    keys = keys[q0:q0 + n]
+    inside = (keys >= q0) & (keys < q0 + n)
+    if valid is not None:
+        inside |= ~valid[q0:q0 + n]
+    best, run_start = (0, 0), None
+    for t, ok in enumerate(inside.all(1).tolist() + [False]):
+        if ok and run_start is None:
+            run_start = t
+        elif not ok and run_start is not None:
+            if t - run_start > best[1] - best[0]:
+                best = (run_start, t)
+            run_start = None
+    return best
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1, -3)
+
+
+def _attend_part(q, kw, vw, rpb, sp: _Split, part) -> tuple[torch.Tensor, torch.Tensor]:
+    """One part's (output in the compute dtype, shaped as its queries; log-sum-exp)."""
+    r0, r1, dims, _ = part
+    qp = q.narrow(sp.dim, r0, r1 - r0)
+    ix = local_index(dims, q.device, sp.row_elems)
+    out, lse = attend_forward(_flat(qp), _flat(kw), _flat(vw), rpb, ix, sp.scale)
+    return out.view(*qp.shape[:-1], vw.shape[-1]), lse
+
+
+def _overlapped_value(q, k, v, rpb, sp: _Split):
+    """(output in the compute dtype, what arrived for k and v, the parts' log-sum-exps)."""
+    pk, pv = exchange_async(k, sp.f), exchange_async(v, sp.f)
+    cd = compute_dtype(q)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=cd)
+    lses: list = [None] * len(sp.parts)
+    for j, part in enumerate(sp.parts):
+        if part[3]:
+            o, lses[j] = _attend_part(q, k, v, rpb, sp, part)
+            out.narrow(sp.dim, part[0], part[1] - part[0]).copy_(o)
+    rk, rv = pk.wait(), pv.wait()
+    kw, vw = assemble(k, rk, sp.f), assemble(v, rv, sp.f)
+    for j, part in enumerate(sp.parts):
+        if not part[3]:
+            o, lses[j] = _attend_part(q, kw, vw, rpb, sp, part)
+            out.narrow(sp.dim, part[0], part[1] - part[0]).copy_(o)
+    return out, rk, rv, lses
+
+
+def _overlapped_primal(q, k, v, rpb, sp):
+    return _overlapped_value(q, k, v, rpb, sp)[0].to(q.dtype)
+
+
+_overlapped = custom_vjp(_overlapped_primal, nondiff_argnums=(4,))
+
+
+def _overlapped_fwd(q, k, v, rpb, sp):
+    with torch.no_grad():
+        out, rk, rv, lses = _overlapped_value(q, k, v, rpb, sp)
+    # k and v themselves and the halo rows, not the windows: a double backward must
+    # reach k and v, and the windows' shard blocks would be copies of them
+    return out.to(q.dtype), (q, k, v, rpb, rk, rv, out, lses)
+
+
+def _overlapped_bwd(sp, res, g):
+    q, k, v, rpb, rk, rv, out, lses = res
+    if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
+        return _plain_vjp(q, k, v, rpb, sp, g)
+    # Gradients of k and v summed in the compute dtype (float32 for half inputs: the
+    # edges' and the interior's parts meet in the shard), sent in the inputs' dtype.
+    cd = out.dtype
+    k, v = k.to(cd), v.to(cd)
+    kw, vw = assemble(k, [r.to(cd) for r in rk], sp.f), assemble(v, [r.to(cd) for r in rv], sp.f)
+    dkw, dvw = torch.zeros_like(kw), torch.zeros_like(vw)
+    dq = torch.zeros_like(q)
+    drpb = None if rpb is None else torch.zeros_like(rpb, dtype=cd)
+
+    def back(part, lse, kwin, vwin, dk, dv):
+        r0, r1, dims, _ = part
+        ix = local_index(dims, q.device, sp.row_elems)
+        qp = q.narrow(sp.dim, r0, r1 - r0)
+        got = attend_backward(_flat(qp), _flat(kwin), _flat(vwin), rpb,
+                              _flat(out.narrow(sp.dim, r0, r1 - r0)), lse,
+                              _flat(g.narrow(sp.dim, r0, r1 - r0)), ix, sp.scale)
+        dq.narrow(sp.dim, r0, r1 - r0).copy_(got[0].view(qp.shape))
+        dk += got[1].view(dk.shape)
+        dv += got[2].view(dv.shape)
+        if drpb is not None:
+            drpb.add_(got[3])
+
+    # the edges first: their halo gradients go back while the interior's backward runs
+    for part, lse in zip(sp.parts, lses):
+        if not part[3]:
+            back(part, lse, kw, vw, dkw, dvw)
+    dt = q.dtype
+    tk = transpose_async(dkw.to(dt), sp.f, apart=False)
+    tv = transpose_async(dvw.to(dt), sp.f, apart=False)
+    n = k.shape[sp.dim]
+    own_k, own_v = dkw.narrow(sp.dim, sp.pos, n), dvw.narrow(sp.dim, sp.pos, n)
+    for part, lse in zip(sp.parts, lses):
+        if part[3]:
+            back(part, lse, k, v, own_k, own_v)
+    return (dq, tk.wait(owned=True, own_grad=own_k.to(dt)),
+            tv.wait(owned=True, own_grad=own_v.to(dt)),
+            None if drpb is None else drpb.to(rpb.dtype))
+
+
+def _plain_vjp(q, k, v, rpb, sp, g):
+    """The backward as differentiable torch code (double backward, torch.func): the
+    window fetched whole again, attended, differentiated."""
+    args = [a for a in (q, k, v, rpb) if a is not None]
+
+    def f(q, k, v, *r):
+        return _windowed(q, k, v, r[0] if r else None, (sp.f,), sp.whole, sp.scale)
+
+    _, vjp = torch.func.vjp(f, *args)
+    got = vjp(g)
+    return (*got, *([None] if rpb is None else []))
+
+
+_overlapped.defvjp(_overlapped_fwd, _overlapped_bwd)
 
 
 def _output_layout(layout: Layout, head_dim_v: int | None = None) -> Layout:
@@ -208,11 +400,13 @@ _DOC_COMMON = """
         corners). Queries never move. With a ``P`` spec, one small size exchange first.
 
     Backward:
-        The local kernel's VJP (scores recomputed in chunks: it keeps q, the fetched
-        windows, the output and the log-sum-exp), then the halo's key/value gradients
-        go back to their owners and are added into their shards (the fetch's
-        transpose). ``rpb``'s gradient is this rank's part; shard_map's parameter rule
-        (or ``spmd.parallel``) sums it over ranks. Double backward is exact too.
+        The local kernel's VJP (scores recomputed in chunks: it keeps q, k, v, the
+        key/value rows that arrived, the output and the log-sum-exp), then the halo's
+        key/value gradients go back to their owners and are added into their shards
+        (the fetch's transpose). With one split spatial dim the transfers overlap the
+        interior's attention, forward and backward. ``rpb``'s gradient is this rank's
+        part; shard_map's parameter rule (or ``spmd.parallel``) sums it over ranks.
+        Double backward is exact too.
 
     Ranks without data:
         A rank without query rows fetches nothing, returns an empty output, still sends

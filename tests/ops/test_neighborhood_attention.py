@@ -18,6 +18,7 @@ comparison uses the same tolerance (float64 both).
 """
 from __future__ import annotations
 
+import importlib
 import re
 
 import pytest
@@ -40,6 +41,7 @@ from spmd.testing import strategies as sst
 
 F64 = torch.float64
 TOL = dict(rtol=1e-10, atol=1e-10)
+_na = importlib.import_module("spmd.ops.neighborhood_attention")
 OPS = {1: neighborhood_attention1d, 2: neighborhood_attention2d, 3: neighborhood_attention3d}
 
 
@@ -320,9 +322,10 @@ def test_sizes_exchange_once_with_a_P_spec_and_nothing_moves_without_a_split():
     torch.testing.assert_close(y[1], neighborhood_attention_reference(q, k, v, 3)[0], **TOL)
 
 
-def test_saves_the_shard_and_halo_of_k_and_v_the_output_and_lse_only():
-    """Per rank, autograd keeps the fetched windows of k and v (shard + halo rows), the
-    output and the log-sum-exp, never the kernel_size-fold gathered keys or scores."""
+def test_saves_k_v_their_halo_rows_the_output_and_lse_only():
+    """Per rank, autograd keeps q, k and v, the halo rows of k and v that arrived, the
+    output and the log-sum-exp: never a copy of the shard, nor the kernel_size-fold
+    gathered keys or scores."""
     from spmd.testing.memory import SavedBytes
     mesh = spmd.Mesh((3,), ("sp",))
     B, L, H, D, kk = 2, 18, 2, 4, 5
@@ -340,7 +343,7 @@ def test_saves_the_shard_and_halo_of_k_and_v_the_output_and_lse_only():
     halo = [2, 4, 2]  # kernel 5: 2 rows from each neighbour
     for r in range(3):
         n = lay.sizes[1][r]
-        want = 2 * B * (n + halo[r]) * H * D * 8 + B * n * H * D * 8 + B * n * H * 8
+        want = 2 * B * halo[r] * H * D * 8 + B * n * H * D * 8 + B * n * H * 8
         assert got[r] == want, (r, got[r], want)
 
 
@@ -357,6 +360,108 @@ def test_double_backward_matches_the_reference():
         torch.testing.assert_close(a, b, **TOL)
 
 
+# -- one split dim: the halo travels while the interior attends ---------------------------------
+
+@pytest.mark.parametrize("L,k,d,causal,sizes", [
+    (20, 5, 1, False, (7, 6, 7)), (20, 3, 3, False, (9, 2, 9)), (17, 4, 2, True, (5, 0, 12)),
+    (12, 7, 1, False, (6, 6)), (9, 9, 1, False, (4, 5)),
+])
+def test_the_interior_is_the_longest_run_of_queries_whose_windows_stay_home(L, k, d, causal,
+                                                                             sizes):
+    (allowed, _), = brute_mask((L,), (k,), (d,), (causal,))
+    start = 0
+    for n in sizes:
+        a, b = _na._interior(L, k, d, causal, start, n)
+        home = [bool(allowed[start + t, :start].sum() + allowed[start + t, start + n:].sum() == 0)
+                for t in range(n)]
+        assert all(home[a:b])
+        runs = [j - i for i in range(n + 1) for j in range(i, n + 1) if all(home[i:j])]
+        assert b - a == max(runs, default=0)
+        start += n
+
+
+def test_the_interior_attends_while_the_halo_travels_and_its_backward_while_gradients_do():
+    """The order of events on every rank: both fetches start, the interior attends, the
+    halo is awaited, the edges attend; backward, the edges' gradients first, their halo
+    parts sent, the interior's backward, then the sends awaited."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    L = 24
+    lay = Layout((1, L, 2, 3), P(None, "sp"), mesh, {1: (8, 9, 7)})
+    q, k, v, _ = _qkv((1, L))
+    log: dict[int, list] = {}
+    real = {n: getattr(_na, n) for n in ("exchange_async", "transpose_async", "attend_forward",
+                                         "attend_backward")}
+
+    def note(what):
+        log.setdefault(spmd.axis_index("sp"), []).append(what)
+
+    class Waited:
+        def __init__(self, pending, what):
+            self.pending, self.what = pending, what
+
+        def wait(self, **kw):
+            note(f"wait {self.what}")
+            return self.pending.wait(**kw)
+
+    def patched(name, what):
+        def f(*args, **kw):
+            out = real[name](*args, **kw)
+            if what == "attend":
+                note(f"{name} {args[0].shape[1]}")
+                return out
+            note(f"start {what}")
+            return Waited(out, what)
+        return f
+
+    for name, what in (("exchange_async", "fetch"), ("transpose_async", "transpose"),
+                       ("attend_forward", "attend"), ("attend_backward", "attend")):
+        setattr(_na, name, patched(name, what))
+    try:
+        f = lambda q, k, v: neighborhood_attention1d(q, k, v, 5, mesh=mesh, spec=lay)  # noqa: E731
+        y = spmd.shard_map(f, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
+        y.square().sum().backward()
+    finally:
+        for name, fn in real.items():
+            setattr(_na, name, fn)
+    torch.testing.assert_close(y, neighborhood_attention_reference(q, k, v, 5), **TOL)
+    # rank 1, rows [8, 17): 2 rows at each edge read the halo, 5 in between do not
+    assert log[1] == ["start fetch", "start fetch", "attend_forward 5", "wait fetch", "wait fetch",
+                      "attend_forward 2", "attend_forward 2",
+                      "attend_backward 2", "attend_backward 2", "start transpose",
+                      "start transpose", "attend_backward 5", "wait transpose", "wait transpose"]
+    # rank 0 holds the domain's start: windows shift inward there, only its end reads a halo
+    assert log[0] == ["start fetch", "start fetch", "attend_forward 6", "wait fetch", "wait fetch",
+                      "attend_forward 2", "attend_backward 2", "start transpose",
+                      "start transpose", "attend_backward 6", "wait transpose", "wait transpose"]
+
+
+@pytest.mark.parametrize("sizes", [(8, 9, 7), (12, 0, 12), (2, 20, 2)])
+def test_double_backward_and_torch_func_on_a_split_dim_match_the_reference(sizes):
+    """With grad mode on in backward the overlapped op differentiates its plain form (the
+    window fetched whole): a Hessian-vector product and torch.func.grad equal the
+    reference's, on uneven shards, an empty one, and shards narrower than the window."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    L = sum(sizes)
+    lay = Layout((1, L, 2, 3), P(None, "sp"), mesh, {1: sizes})
+    q, k, v, rpb = _qkv((1, L), rpb_ks=(5,))
+    loss = lambda y: (y.tanh() ** 2).sum()  # noqa: E731
+
+    def body(q, k, v):
+        args = [t.detach().requires_grad_() for t in (q, k, v)]
+        f = lambda *a: loss(neighborhood_attention1d(*a, 5, 2, rpb=rpb, mesh=mesh, spec=lay))  # noqa: E731
+        g = torch.autograd.grad(f(*args), args, create_graph=True)
+        hv = torch.autograd.grad(sum((t ** 2).sum() for t in g), args)
+        return (*hv, *torch.func.grad(f, argnums=(0, 1, 2))(q, k, v))
+
+    got = spmd.shard_map(body, mesh, (lay,) * 3, (lay,) * 6)(q, k, v)
+    args = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = neighborhood_attention_reference(*args, 5, 2, rpb=rpb)
+    g = torch.autograd.grad(loss(y), args, create_graph=True)
+    hv = torch.autograd.grad(sum((t ** 2).sum() for t in g), args)
+    for a, b in zip(got, (*hv, *g)):
+        torch.testing.assert_close(a, b.detach(), **TOL)
+
+
 def test_float32_and_bfloat16_follow_the_float64_reference():
     q, k, v, rpb = _qkv((2, 9, 8), rpb_ks=(3, 5))
     want = neighborhood_attention_reference(q, k, v, (3, 5), rpb=rpb)
@@ -365,6 +470,31 @@ def test_float32_and_bfloat16_follow_the_float64_reference():
                                        rpb=rpb.to(dtype))
         assert got.dtype == dtype
         torch.testing.assert_close(got.to(F64), want, rtol=tol, atol=tol)
+
+
+def test_float32_and_bfloat16_on_a_split_dim_follow_the_float64_reference():
+    """The overlapped op in half precision: scores, softmax and the gradients of k and v
+    (where the edges' and the interior's parts meet) in float32, rounded once. The
+    tolerances are those of one bfloat16 rounding (8 bits: 2^-8 relative) of values and
+    gradients of order 1, and float32's accumulated over 9 x 5 window slots."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    lay = Layout((2, 17, 8, 2, 3), P(None, "sp"), mesh, {1: (7, 4, 6)})
+    q, k, v, rpb = _qkv((2, 17, 8), rpb_ks=(3, 5))
+    go = torch.randn(q.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
+    args = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = neighborhood_attention_reference(*args, (3, 5), rpb=rpb)
+    gwant = torch.autograd.grad(want, args, go)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4e-2)):
+        f = lambda q, k, v: neighborhood_attention2d(  # noqa: E731
+            q, k, v, (3, 5), rpb=rpb.to(q.dtype), mesh=mesh, spec=lay)
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        got = spmd.shard_map(f, mesh, (lay,) * 3, lay)(*xs)
+        assert got.dtype == dtype
+        grads = torch.autograd.grad(got, xs, go.to(dtype))
+        torch.testing.assert_close(got.to(F64), want, rtol=tol, atol=tol)
+        for a, b in zip(grads, gwant):
+            assert a.dtype == dtype
+            torch.testing.assert_close(a.to(F64), b, rtol=tol, atol=tol)
 
 
 # -- gloo ------------------------------------------------------------------------------------------
