@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import spmd
 from spmd import Mesh, P
+from spmd.collectives import compiled as compiled_mod
 from spmd.collectives.compiled import graph_op
 from spmd.core.errors import SpecError
 
@@ -328,15 +329,15 @@ def test_independent_branches_start_their_collectives_in_program_order_on_every_
 
 
 def _op_nodes(gm):
-    """(node, the op's ``after`` argument) of each spmd op of a graph, in graph order;
-    through ``with_effects`` where the op is an ordered effect."""
-    ops = {torch.ops.spmd.graph_op.default: 2, torch.ops.spmd.graph_op_backward.default: 4}
+    """(node, the op's arguments) of each spmd op of a graph, in graph order; through
+    ``with_effects`` where the op is an ordered effect."""
+    ops = (torch.ops.spmd.graph_op.default, torch.ops.spmd.graph_op_backward.default)
     out = []
     for n in gm.graph.nodes:
         if n.target in ops:
-            out.append((n, n.args[ops[n.target]]))
+            out.append((n, n.target, n.args))
         elif n.op == "call_function" and len(n.args) > 1 and n.args[1] in ops:
-            out.append((n, n.args[2 + ops[n.args[1]]]))
+            out.append((n, n.args[1], n.args[2:]))
     return out
 
 
@@ -377,6 +378,11 @@ def test_each_op_forward_and_backward_takes_the_chain_token_of_the_one_before():
     for gm in graphs:
         ops = _op_nodes(gm)
         assert len(ops) == 3  # two convs and a psum, or their backwards
-        assert len(ops[0][1]) <= 1
-        for (prev, _), (_, after) in zip(ops, ops[1:]):
-            assert [_source(a) for a in after] == [prev]
+        after = [args[2] if op is torch.ops.spmd.graph_op.default else args[4]
+                 for _, op, args in ops]
+        assert len(after[0]) <= 1
+        for (prev, _, _), a in zip(ops, after[1:]):
+            assert [_source(t) for t in a] == [prev]
+    # and each forward call carries the fingerprint of the code that will run its
+    # backward, so that torch's on-disk caches never pair it with an older formula
+    assert [args[3] for _, _, args in _op_nodes(graphs[0])] == [compiled_mod._BUILD] * 3
