@@ -125,10 +125,21 @@ def _handle(fn: Callable, meta: Meta, args: tuple, kwargs: tuple, inputs: tuple,
 _traced_handle: Callable | None = None
 
 
+# A fingerprint of spmd's source, an argument of every graph_op call. torch's compile
+# caches (on disk, across processes) key a graph by what dynamo traced, not by the
+# autograd formula registered below nor the ``meta`` that shaped its buffers, so
+# without it a cached graph of an older spmd could run with this one.
+_BUILD = 0
+
+
 def prepare() -> None:
     """Get ready for tracing if torch.compile is in use (cheap; shard_map calls it)."""
-    global _traced_handle
+    global _traced_handle, _BUILD
     if _traced_handle is None and "torch._dynamo" in sys.modules:
+        h = hashlib.sha256()
+        for f in sorted(Path(__file__).parents[1].rglob("*.py")):  # about 5 ms, once
+            h.update(f.read_bytes())
+        _BUILD = int(h.hexdigest()[:12], 16)
         _traced_handle = torch.compiler.assume_constant_result(_handle)
 
 
@@ -214,10 +225,6 @@ def like_query(q: Any, k: Any, v: Any, *args: Any, seq_dim: int = -2, **kwargs: 
 
 # -- the custom ops ----------------------------------------------------------------------
 
-# A fingerprint of this file, an argument of every graph_op call: torch's compile caches
-# (on disk, across processes) key a graph by what dynamo traced, not by the autograd
-# formula registered below, so without it a cached backward of an older spmd could run.
-_BUILD = int(hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12], 16)
 
 class _NoRecording(Exception):
     """torch.func cannot record here (the forward runs inside a TorchDispatchMode)."""
