@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..collectives._anchor import anchor
-from ..collectives.compiled import graph_op, like_query
+from ..collectives.compiled import graph_op
 from ..collectives.vjp import custom_vjp
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -81,7 +81,7 @@ def _bools(v: Any, n: int, what: str) -> tuple[bool, ...]:
 
 
 def _check(n: int, q: Any, k: Any, v: Any, kernel_size: Any, dilation: Any, is_causal: Any,
-           rpb: Any, scale: Any, what: str) -> tuple:
+           rpb: Any, scale: Any, what: str, enable_gqa: bool = False) -> tuple:
     """Validated ``(kernel, dilation, causal, scale)``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -91,10 +91,18 @@ def _check(n: int, q: Any, k: Any, v: Any, kernel_size: Any, dilation: Any, is_c
                             f"({n + 3} dims, NATTEN's heads-last layout), got {describe(t)}")
         if not t.is_floating_point():
             raise TypeError(f"{what}: {name} must be floating point, got {describe(t)}")
-    if k.shape != q.shape:
-        raise SpecError(f"{what}: k ({describe(k)}) must have the shape of q ({describe(q)})")
-    if v.shape[:-1] != q.shape[:-1]:
-        raise SpecError(f"{what}: v ({describe(v)}) must match q ({describe(q)}) in every dim "
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"{what}: enable_gqa must be a bool, got {enable_gqa!r}")
+    if enable_gqa:
+        if (k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1] or k.shape[-2] < 1
+                or q.shape[-2] % k.shape[-2]):
+            raise SpecError(f"{what}: with enable_gqa, k ({describe(k)}) must have the shape of "
+                            f"q ({describe(q)}) but for its heads, which must divide q's")
+    elif k.shape != q.shape:
+        raise SpecError(f"{what}: k ({describe(k)}) must have the shape of q ({describe(q)}); "
+                        f"for fewer key/value heads (GQA) pass enable_gqa=True")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise SpecError(f"{what}: v ({describe(v)}) must match k ({describe(k)}) in every dim "
                         f"but the last (its head_dim may differ)")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise TypeError(f"{what}: q, k, v must share a dtype and device, got {describe(q)} on "
@@ -141,9 +149,10 @@ def _check_spec(spec: Any, n: int, what: str) -> None:
 
 # -- the op -----------------------------------------------------------------------------------
 
-def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec):
+def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec, enable_gqa):
     what = f"neighborhood_attention{n}d"
-    ks, ds, cs, scale = _check(n, q, k, v, kernel_size, dilation, is_causal, rpb, scale, what)
+    ks, ds, cs, scale = _check(n, q, k, v, kernel_size, dilation, is_causal, rpb, scale, what,
+                               enable_gqa)
     if mesh is None:
         if spec is not None:
             raise TypeError(f"{what}: spec= describes a split over a mesh; pass mesh= too, or "
@@ -172,7 +181,7 @@ def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spe
         fetches.append(Fetch(rc, axes, me, dim, plan, 0.0, what))
         dims.append((*geo, off[dim], q.shape[dim], rows[me], len(rows[me])))
     if len(fetches) == 1:  # the common case: the halo travels while the interior attends
-        sp = _split_plan(fetches[0], tuple(dims), q, v, scale)
+        sp = _split_plan(fetches[0], tuple(dims), q, k, v, scale)
         return _overlapped(q, anchor(k), anchor(v), rpb, sp)
     return _windowed(q, k, v, rpb, fetches, tuple(dims), scale)
 
@@ -185,8 +194,21 @@ def _windowed(q, k, v, rpb, fetches, dims, scale):
     return _local(q, kw, vw, rpb, dims, scale)
 
 
+def _heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """Key/value heads repeated for their ``group`` query heads each (GQA): after the
+    fetch, so only the key/value heads travel."""
+    return t if group == 1 else t.repeat_interleave(group, dim=-2)
+
+
+def _summed(g: torch.Tensor, group: int) -> torch.Tensor:
+    """The transpose of ``_heads``: each key/value head's gradient over its group."""
+    return g if group == 1 else g.unflatten(-2, (-1, group)).sum(-2)
+
+
 def _local(q, kw, vw, rpb, dims, scale):
     """The kernel on flattened tokens: queries ``q``, windows ``kw``/``vw``."""
+    group = q.shape[-2] // kw.shape[-2]
+    kw, vw = _heads(kw, group), _heads(vw, group)
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
     ix = local_index(dims, q.device, B * H * max(D, vw.shape[-1]))
     out = attend(q.flatten(1, -3), kw.flatten(1, -3), vw.flatten(1, -3), rpb, ix, scale)
@@ -212,24 +234,27 @@ class _Split:
     whole: tuple  # ``_local``'s dims for all of this rank's queries
     scale: float
     row_elems: int
+    group: int  # query heads per key/value head (GQA)
 
 
-def _split_plan(f: Fetch, dims: tuple, q: torch.Tensor, v: torch.Tensor, scale: float) -> _Split:
+def _split_plan(f: Fetch, dims: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> _Split:
     i = f.dim - 1
-    L, k, d, causal, q0, n, rows, w = dims[i]
-    a, b = _interior(L, k, d, causal, q0, n)
+    L, kk, d, causal, q0, n, rows, w = dims[i]
+    a, b = _interior(L, kk, d, causal, q0, n)
 
     def part(r0, r1, local):
         dm = list(dims)
-        dm[i] = ((L, k, d, causal, q0 + r0, r1 - r0, tuple(range(q0, q0 + n)), n) if local
-                 else (L, k, d, causal, q0 + r0, r1 - r0, rows, w))
+        dm[i] = ((L, kk, d, causal, q0 + r0, r1 - r0, tuple(range(q0, q0 + n)), n) if local
+                 else (L, kk, d, causal, q0 + r0, r1 - r0, rows, w))
         return (r0, r1, tuple(dm), local)
 
     parts = tuple(part(r0, r1, loc) for r0, r1, loc in ((0, a, False), (a, b, True), (b, n, False))
                   if r1 > r0)
     pos = f.plan[2][f.me][0]
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
-    return _Split(f, f.dim, pos, parts, dims, scale, B * H * max(D, v.shape[-1]))
+    return _Split(f, f.dim, pos, parts, dims, scale, B * H * max(D, v.shape[-1]),
+                  H // k.shape[-2])
 
 
 @lru_cache(maxsize=256)
@@ -275,10 +300,11 @@ def _overlapped_value(q, k, v, rpb, sp: _Split):
     lses: list = [None] * len(sp.parts)
     for j, part in enumerate(sp.parts):
         if part[3]:
-            o, lses[j] = _attend_part(q, k, v, rpb, sp, part)
+            o, lses[j] = _attend_part(q, _heads(k, sp.group), _heads(v, sp.group), rpb, sp, part)
             out.narrow(sp.dim, part[0], part[1] - part[0]).copy_(o)
     rk, rv = pk.wait(), pv.wait()
-    kw, vw = assemble(k, rk, sp.f), assemble(v, rv, sp.f)
+    kw = _heads(assemble(k, rk, sp.f), sp.group)
+    vw = _heads(assemble(v, rv, sp.f), sp.group)
     for j, part in enumerate(sp.parts):
         if not part[3]:
             o, lses[j] = _attend_part(q, kw, vw, rpb, sp, part)
@@ -307,10 +333,11 @@ def _overlapped_bwd(sp, res, g):
         return _plain_vjp(q, k, v, rpb, sp, g)
     # Gradients of k and v summed in the compute dtype (float32 for half inputs: the
     # edges' and the interior's parts meet in the shard), sent in the inputs' dtype.
-    cd = out.dtype
+    cd, G = out.dtype, sp.group
     k, v = k.to(cd), v.to(cd)
-    kw, vw = assemble(k, [r.to(cd) for r in rk], sp.f), assemble(v, [r.to(cd) for r in rv], sp.f)
-    dkw, dvw = torch.zeros_like(kw), torch.zeros_like(vw)
+    kw = _heads(assemble(k, [r.to(cd) for r in rk], sp.f), G)
+    vw = _heads(assemble(v, [r.to(cd) for r in rv], sp.f), G)
+    dkw, dvw = torch.zeros_like(kw), torch.zeros_like(vw)  # per query head
     dq = torch.zeros_like(q)
     drpb = None if rpb is None else torch.zeros_like(rpb, dtype=cd)
 
@@ -332,15 +359,15 @@ def _overlapped_bwd(sp, res, g):
         if not part[3]:
             back(part, lse, kw, vw, dkw, dvw)
     dt = q.dtype
-    tk = transpose_async(dkw.to(dt), sp.f, apart=False)
-    tv = transpose_async(dvw.to(dt), sp.f, apart=False)
+    tk = transpose_async(_summed(dkw, G).to(dt), sp.f, apart=False)
+    tv = transpose_async(_summed(dvw, G).to(dt), sp.f, apart=False)
     n = k.shape[sp.dim]
     own_k, own_v = dkw.narrow(sp.dim, sp.pos, n), dvw.narrow(sp.dim, sp.pos, n)
     for part, lse in zip(sp.parts, lses):
         if part[3]:
-            back(part, lse, k, v, own_k, own_v)
-    return (dq, tk.wait(owned=True, own_grad=own_k.to(dt)),
-            tv.wait(owned=True, own_grad=own_v.to(dt)),
+            back(part, lse, _heads(k, G), _heads(v, G), own_k, own_v)
+    return (dq, tk.wait(owned=True, own_grad=_summed(own_k, G).to(dt)),
+            tv.wait(owned=True, own_grad=_summed(own_v, G).to(dt)),
             None if drpb is None else drpb.to(rpb.dtype))
 
 
@@ -373,8 +400,9 @@ _DOC_COMMON = """
     Args:
         q, k, v: this rank's shards (per-rank code: a shard_map body or a launched
             function), ``[batch, {dims}, heads, head_dim]`` (NATTEN's heads-last layout);
-            ``k`` shaped as ``q``, ``v`` too but for its head_dim. With ``mesh=None``,
-            the whole tensors on one device.
+            ``k`` shaped as ``q`` (but for its heads with ``enable_gqa``), ``v`` as
+            ``k`` but for its head_dim. With ``mesh=None``, the whole tensors on one
+            device.
         kernel_size: the window, an int or one per spatial dim (at least 1; NATTEN
             needs ``kernel_size * dilation <=`` the global size of every spatial dim).
             Even sizes put one more position before the query than after.
@@ -388,6 +416,9 @@ _DOC_COMMON = """
         spec: q's ``P`` (its ranks exchange their sizes, one small all_gather) or its
             ``Layout`` (no exchange); the same split holds for k and v. Batch and spatial
             dims may be split (several spatial dims at once); heads and head_dim not.
+        enable_gqa: as SDPA's: k and v may have fewer heads, dividing q's; query head
+            ``h`` reads key/value head ``h // (heads / kv_heads)``. Only the key/value
+            heads travel; they are repeated for their query heads after the fetch.
 
     Returns:
         This rank's shard of the output, ``[batch, {dims}, heads, head_dim of v]``,
@@ -432,8 +463,10 @@ def _doc(n: int, example: str) -> str:
 
 def _na_meta(q, k, v, *args, **kwargs):
     """The output under torch.compile: q's shape ([B, *spatial, heads, head_dim]) with
-    v's head size."""
-    return like_query(q, k, v, seq_dim=1)
+    v's head size (k and v share q's spatial dims: checked at run time)."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.ndim != v.ndim:
+        return None
+    return [((*q.shape[:-1], v.shape[-1]), q.dtype)]
 
 
 @with_layout(_output_layout)
@@ -442,8 +475,10 @@ def neighborhood_attention1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,
                              rpb: torch.Tensor | None = None, scale: float | None = None,
-                             mesh: Mesh | None = None, spec: Any = None) -> torch.Tensor:
-    return _na(1, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec)
+                             mesh: Mesh | None = None, spec: Any = None,
+                             enable_gqa: bool = False) -> torch.Tensor:
+    return _na(1, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec,
+               enable_gqa)
 
 
 @with_layout(_output_layout)
@@ -452,8 +487,10 @@ def neighborhood_attention2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,
                              rpb: torch.Tensor | None = None, scale: float | None = None,
-                             mesh: Mesh | None = None, spec: Any = None) -> torch.Tensor:
-    return _na(2, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec)
+                             mesh: Mesh | None = None, spec: Any = None,
+                             enable_gqa: bool = False) -> torch.Tensor:
+    return _na(2, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec,
+               enable_gqa)
 
 
 @with_layout(_output_layout)
@@ -462,8 +499,10 @@ def neighborhood_attention3d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              kernel_size: int | Sequence[int], dilation: int | Sequence[int] = 1,
                              is_causal: bool | Sequence[bool] = False, *,
                              rpb: torch.Tensor | None = None, scale: float | None = None,
-                             mesh: Mesh | None = None, spec: Any = None) -> torch.Tensor:
-    return _na(3, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec)
+                             mesh: Mesh | None = None, spec: Any = None,
+                             enable_gqa: bool = False) -> torch.Tensor:
+    return _na(3, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spec,
+               enable_gqa)
 
 
 neighborhood_attention1d.__doc__ = _doc(1, """\
@@ -508,7 +547,8 @@ def neighborhood_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
                                      dilation: int | Sequence[int] = 1,
                                      is_causal: bool | Sequence[bool] = False, *,
                                      rpb: torch.Tensor | None = None,
-                                     scale: float | None = None) -> torch.Tensor:
+                                     scale: float | None = None,
+                                     enable_gqa: bool = False) -> torch.Tensor:
     """Neighbourhood attention on one device, written plainly: every query's window keys
     and values gathered (``K = prod(kernel_size)`` copies of k and v), scores, bias, mask,
     softmax. For checking (against NATTEN, or the sharded ops), not for speed.
@@ -516,7 +556,8 @@ def neighborhood_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     Args:
         q, k, v: ``[batch, *spatial (1 to 3 dims), heads, head_dim]``; ``v``'s head_dim
             may differ.
-        kernel_size, dilation, is_causal, rpb, scale: as ``neighborhood_attention2d``.
+        kernel_size, dilation, is_causal, rpb, scale, enable_gqa: as
+            ``neighborhood_attention2d``.
 
     Returns:
         ``[batch, *spatial, heads, head_dim of v]``, in q's dtype (computed in float32
@@ -539,8 +580,11 @@ def neighborhood_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.
     if n not in (1, 2, 3):
         raise SpecError(f"{what}: q must be [batch, 1 to 3 spatial dims, heads, head_dim], "
                         f"got {describe(q)}")
-    ks, ds, cs, scale = _check(n, q, k, v, kernel_size, dilation, is_causal, rpb, scale, what)
+    ks, ds, cs, scale = _check(n, q, k, v, kernel_size, dilation, is_causal, rpb, scale, what,
+                               enable_gqa)
     _check_extent(q.shape, n, ks, ds, what)
+    group = q.shape[-2] // k.shape[-2]
+    k, v = _heads(k, group), _heads(v, group)
     cd = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     # index arrays [L_i, k_i] per dim, shaped to broadcast over (L_0.., k_0..)
     keys, masks, rels = [], [], []

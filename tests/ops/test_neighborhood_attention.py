@@ -497,6 +497,60 @@ def test_float32_and_bfloat16_on_a_split_dim_follow_the_float64_reference():
             torch.testing.assert_close(a.to(F64), b, rtol=tol, atol=tol)
 
 
+# -- grouped-query attention -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("case", ["1d_uneven_empty", "2d_split"])
+def test_gqa_matches_the_reference_and_only_key_value_heads_travel(kv_heads, case):
+    """q has 4 heads, k and v ``kv_heads`` (MQA at 1): query head h reads key/value head
+    h // (4 / kv_heads), as SDPA's enable_gqa. The reference equals full multi-head
+    attention on repeated k and v; the sharded op equals the reference (values and the
+    gradients of q, k, v and rpb, float64); the halo holds the key/value heads only."""
+    if case == "1d_uneven_empty":
+        mesh, spec, spatial, sizes = spmd.Mesh((3,), ("sp",)), P(None, "sp"), (13,), {1: (6, 0, 7)}
+        ks, ds, cs = (5,), (2,), (False,)
+    else:
+        mesh, spec, spatial, sizes = spmd.Mesh((2, 2), ("x", "y")), P(None, "x", "y"), (7, 6), None
+        ks, ds, cs = (3, 5), (1, 1), (True, False)
+    B, H, D, Dv = 2, 4, 3, 2
+    g = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(B, *spatial, H, D, dtype=F64, generator=g)
+    k = torch.randn(B, *spatial, kv_heads, D, dtype=F64, generator=g)
+    v = torch.randn(B, *spatial, kv_heads, Dv, dtype=F64, generator=g)
+    rpb = torch.randn(H, *(2 * kk - 1 for kk in ks), dtype=F64, generator=g)
+    op = OPS[len(spatial)]
+    rep = lambda t: t.repeat_interleave(H // kv_heads, dim=-2)  # noqa: E731
+    want = neighborhood_attention_reference(q, k, v, ks, ds, cs, rpb=rpb, enable_gqa=True)
+    torch.testing.assert_close(want, neighborhood_attention_reference(q, rep(k), rep(v), ks, ds,
+                                                                      cs, rpb=rpb), **TOL)
+    lay = Layout(q.shape, spec, mesh, sizes)
+    kv = lambda t: Layout(t.shape, spec, mesh, sizes)  # noqa: E731
+    with spmd.comm_stats() as stats:
+        assert_matches_single_device(
+            lambda q, k, v, r: op(q, k, v, ks, ds, cs, rpb=r, mesh=mesh, spec=lay,
+                                  enable_gqa=True),
+            lambda q, k, v, r: neighborhood_attention_reference(q, k, v, ks, ds, cs, rpb=r,
+                                                                enable_gqa=True),
+            mesh, (lay, kv(k), kv(v)), op.output_layout(lay, Dv), q, k, v, params=(rpb,), **TOL)
+    what = f"neighborhood_attention{len(spatial)}d"
+    with spmd.comm_stats() as mha:
+        assert_matches_single_device(
+            lambda q, k, v, r: op(q, k, v, ks, ds, cs, rpb=r, mesh=mesh, spec=lay),
+            lambda q, k, v, r: neighborhood_attention_reference(q, k, v, ks, ds, cs, rpb=r),
+            mesh, (lay, lay, Layout((*q.shape[:-1], Dv), spec, mesh, sizes)),
+            op.output_layout(lay, Dv), q, rep(k), rep(v), params=(rpb,), **TOL)
+    for pass_ in ("forward", "backward"):
+        assert stats.bytes(what, pass_=pass_) * (H // kv_heads) == mha.bytes(what, pass_=pass_) > 0
+
+
+def test_gqa_errors():
+    q, k = torch.zeros(1, 5, 4, 2), torch.zeros(1, 5, 3, 2)
+    with pytest.raises(spmd.SpecError, match="which must divide q's"):
+        neighborhood_attention1d(q, k, k, 3, enable_gqa=True)
+    with pytest.raises(TypeError, match="enable_gqa must be a bool"):
+        neighborhood_attention1d(q, q, q, 3, enable_gqa=1)
+
+
 # -- gloo ------------------------------------------------------------------------------------------
 
 def _gloo_case(mesh):
@@ -546,7 +600,8 @@ def _call(spec=SP, shape=(1, 8, 2, 3), ks=3, ds=1, cs=False, k_shape=None,
     (dict(spec=P(None, None, None, "sp")), r"splits dim 3 \(head_dim\)"),
     (dict(spec=P(None, "zz")), r"'zz'"),
     (dict(k_shape=(1, 4, 2, 2)), r"k \(f64\[1, 4, 2, 2\]\) must have the shape of q"),
-    (dict(v_shape=(1, 4, 3, 3)), r"v \(f64\[1, 4, 3, 3\]\) must match q"),
+    (dict(v_shape=(1, 4, 3, 3)), r"v \(f64\[1, 4, 3, 3\]\) must match k"),
+    (dict(k_shape=(1, 4, 1, 3)), r"for fewer key/value heads \(GQA\) pass enable_gqa=True"),
     (dict(rpb=torch.zeros(2, 3)), r"rpb must be \[heads, 2 \* kernel_size - 1"),
 ])
 def test_bad_arguments_raise_spec_error_on_every_rank_before_data_moves(kwargs, match):
