@@ -40,6 +40,10 @@ class NeighborhoodAttention2d(nn.Module):
             2 k_x - 1, 2 k_y - 1]`` (truncated normal, std 0.02, as NATTEN).
         qkv_bias: a bias in the qkv projection.
         qk_scale: the score scale, default ``head_dim ** -0.5``.
+        num_kv_heads: key/value heads (grouped-query attention), dividing ``num_heads``;
+            default ``num_heads`` (NATTEN's layer and state dict). With fewer, ``qkv``
+            projects to ``dim + 2 * num_kv_heads * head_dim`` channels (q, then k, then
+            v) and only the key/value heads travel in the halo.
         mesh: the mesh the layer runs on, or None (one device).
         spec: the input's spec (``P`` or ``Layout``) over ``[batch, X, Y, channels]``:
             batch, X and Y may be split, the channels not.
@@ -65,7 +69,8 @@ class NeighborhoodAttention2d(nn.Module):
         halos (it has none to serve).
 
     Raises:
-        ValueError: ``num_heads`` does not divide ``dim``.
+        ValueError: ``num_heads`` does not divide ``dim``, or ``num_kv_heads`` does not
+            divide ``num_heads``.
         SpecError: a spec that splits the channels, an input that is not
             ``[batch, X, Y, dim]``, and the op's errors.
 
@@ -86,27 +91,33 @@ class NeighborhoodAttention2d(nn.Module):
     def __init__(self, dim: int, num_heads: int, kernel_size: int | Sequence[int],
                  dilation: int | Sequence[int] = 1, is_causal: bool | Sequence[bool] = False,
                  rel_pos_bias: bool = False, qkv_bias: bool = True,
-                 qk_scale: float | None = None, *, mesh: Mesh | None = None, spec: Any = None,
+                 qk_scale: float | None = None, *, num_kv_heads: int | None = None,
+                 mesh: Mesh | None = None, spec: Any = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         name = type(self).__name__
-        for arg, v in (("dim", dim), ("num_heads", num_heads)):
+        kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for arg, v in (("dim", dim), ("num_heads", num_heads), ("num_kv_heads", kv_heads)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {v!r}")
         if dim % num_heads:
             raise ValueError(f"{name}: num_heads={num_heads} must divide dim={dim}")
+        if num_heads % kv_heads:
+            raise ValueError(f"{name}: num_kv_heads={kv_heads} must divide "
+                             f"num_heads={num_heads}")
         check_mesh(mesh, name, optional=True)
         if (mesh is None) != (spec is None):
             raise TypeError(f"{name}: pass mesh= and spec= (the input's P or Layout) together, "
                             f"or neither for one device")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.num_kv_heads = kv_heads
         self.kernel_size = _ints(kernel_size, 2, "kernel_size", name, 1)
         self.dilation = _ints(dilation, 2, "dilation", name, 1)
         self.is_causal = _bools(is_causal, 2, name)
         self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
         self.mesh, self.spec = mesh, _check_spec(spec, name)
         kw = dict(device=device, dtype=dtype)
-        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **kw)
+        self.qkv = nn.Linear(dim, dim + 2 * kv_heads * self.head_dim, bias=qkv_bias, **kw)
         if rel_pos_bias:
             self.rpb = nn.Parameter(torch.empty(num_heads, *(2 * k - 1 for k in self.kernel_size),
                                                 **kw))
@@ -121,10 +132,15 @@ class NeighborhoodAttention2d(nn.Module):
             raise SpecError(f"{type(self).__name__}: expected [batch, X, Y, {self.dim}] "
                             f"(channels last), got {describe(x)}")
         B, X, Y, _ = x.shape
-        q, k, v = self.qkv(x).view(B, X, Y, 3, self.num_heads, self.head_dim).unbind(3)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x)
+        if Hkv == H:
+            q, k, v = qkv.view(B, X, Y, 3, H, D).unbind(3)
+        else:
+            q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, Hkv * D, Hkv * D], -1))
         y = neighborhood_attention2d(q, k, v, self.kernel_size, self.dilation, self.is_causal,
                                      rpb=self.rpb, scale=self.scale, mesh=self.mesh,
-                                     spec=self._qkv_spec())
+                                     spec=self._qkv_spec(), enable_gqa=Hkv != H)
         return self.proj(y.reshape(B, X, Y, self.dim))
 
     def _qkv_spec(self) -> Any:
@@ -137,7 +153,8 @@ class NeighborhoodAttention2d(nn.Module):
                       P(*(lay.spec.entry(d) for d in range(3))), _MeshOf(lay), sizes or None)
 
     def extra_repr(self) -> str:
-        s = (f"dim={self.dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        s = (f"dim={self.dim}, num_heads={self.num_heads}{kv}, kernel_size={self.kernel_size}, "
              f"dilation={self.dilation}, is_causal={self.is_causal}, "
              f"rel_pos_bias={self.rpb is not None}")
         return s if self.mesh is None else f"{s}, mesh={self.mesh!r}, spec={self.spec!r}"

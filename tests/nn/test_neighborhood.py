@@ -54,10 +54,33 @@ def test_layer_with_a_P_spec_and_a_split_batch():
     assert_matches_single_device(sharded, one, mesh, spec, spec, x, **TOL)
 
 
+def test_layer_with_grouped_query_attention_matches_one_device_and_a_plain_reading():
+    """num_kv_heads=2 of 4: qkv projects to q (4 heads), k and v (2 each); query head h
+    reads key/value head h // 2. On a split with an empty shard it equals one device,
+    and one device equals the op's reference on repeated k and v."""
+    from spmd.ops import neighborhood_attention_reference
+    mesh = spmd.Mesh((3,), ("sp",))
+    lay = Layout((2, 9, 5, 8), P(None, "sp"), mesh, {1: (4, 0, 5)})
+    torch.manual_seed(2)
+    one = spmd.nn.NeighborhoodAttention2d(8, 4, 3, rel_pos_bias=True, num_kv_heads=2, dtype=F64)
+    sharded = spmd.nn.NeighborhoodAttention2d(8, 4, 3, rel_pos_bias=True, num_kv_heads=2,
+                                              mesh=mesh, spec=lay, dtype=F64)
+    assert one.qkv.out_features == 8 + 2 * 2 * 2 and "num_kv_heads=2" in repr(one)
+    sharded.load_state_dict(one.state_dict())
+    x = torch.randn(lay.shape, dtype=F64)
+    assert_matches_single_device(sharded, one, mesh, lay, lay, x, **TOL)
+    q, k, v = one.qkv(x).split([8, 4, 4], -1)
+    rep = lambda t: t.unflatten(-1, (2, 2)).repeat_interleave(2, dim=-2)  # noqa: E731
+    y = neighborhood_attention_reference(q.unflatten(-1, (4, 2)), rep(k), rep(v), 3, rpb=one.rpb)
+    torch.testing.assert_close(one(x), one.proj(y.flatten(-2)), **TOL)
+
+
 def test_layer_errors():
     name = "NeighborhoodAttention2d"
     with pytest.raises(ValueError, match="num_heads=3 must divide dim=8"):
         spmd.nn.NeighborhoodAttention2d(8, 3, 3)
+    with pytest.raises(ValueError, match="num_kv_heads=3 must divide num_heads=4"):
+        spmd.nn.NeighborhoodAttention2d(8, 4, 3, num_kv_heads=3)
     with pytest.raises(TypeError, match="together"):
         spmd.nn.NeighborhoodAttention2d(8, 2, 3, spec=P(None, "sp"))
     mesh = spmd.Mesh((2,), ("sp",))
