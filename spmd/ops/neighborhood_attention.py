@@ -364,8 +364,9 @@ def _overlapped_bwd(sp, res, g):
     n = k.shape[sp.dim]
     own_k, own_v = dkw.narrow(sp.dim, sp.pos, n), dvw.narrow(sp.dim, sp.pos, n)
     for part, lse in zip(sp.parts, lses):
-        if part[3]:
-            back(part, lse, _heads(k, G), _heads(v, G), own_k, own_v)
+        if part[3]:  # the shard's keys and values: the window's block, heads repeated
+            back(part, lse, kw.narrow(sp.dim, sp.pos, n), vw.narrow(sp.dim, sp.pos, n),
+                 own_k, own_v)
     return (dq, tk.wait(owned=True, own_grad=_summed(own_k, G).to(dt)),
             tv.wait(owned=True, own_grad=_summed(own_v, G).to(dt)),
             None if drpb is None else drpb.to(rpb.dtype))
