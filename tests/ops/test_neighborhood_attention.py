@@ -500,7 +500,7 @@ def test_float32_and_bfloat16_on_a_split_dim_follow_the_float64_reference():
 # -- grouped-query attention -----------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-@pytest.mark.parametrize("case", ["1d_uneven_empty", "2d_split"])
+@pytest.mark.parametrize("case", ["1d_uneven_empty", "2d_split", "product_of_axes"])
 def test_gqa_matches_the_reference_and_only_key_value_heads_travel(kv_heads, case):
     """q has 4 heads, k and v ``kv_heads`` (MQA at 1): query head h reads key/value head
     h // (4 / kv_heads), as SDPA's enable_gqa. The reference equals full multi-head
@@ -509,9 +509,13 @@ def test_gqa_matches_the_reference_and_only_key_value_heads_travel(kv_heads, cas
     if case == "1d_uneven_empty":
         mesh, spec, spatial, sizes = spmd.Mesh((3,), ("sp",)), P(None, "sp"), (13,), {1: (6, 0, 7)}
         ks, ds, cs = (5,), (2,), (False,)
-    else:
+    elif case == "2d_split":
         mesh, spec, spatial, sizes = spmd.Mesh((2, 2), ("x", "y")), P(None, "x", "y"), (7, 6), None
         ks, ds, cs = (3, 5), (1, 1), (True, False)
+    else:  # rows over x and y together: [4, 0, 3, 4]
+        mesh, spec = spmd.Mesh((2, 2), ("x", "y")), P(None, ("x", "y"))
+        spatial, sizes = (11, 4), {1: (4, 0, 3, 4)}
+        ks, ds, cs = (3, 3), (2, 1), (False, False)
     B, H, D, Dv = 2, 4, 3, 2
     g = torch.Generator().manual_seed(kv_heads)
     q = torch.randn(B, *spatial, H, D, dtype=F64, generator=g)
