@@ -10,9 +10,11 @@ its partial weight gradient (DESIGN.md: shard_map sums them).
 
 Memory: autograd keeps the shard and the halo rows that arrived (``windowed``), and the
 backward is ATen's convolution backward on the window rebuilt from them. A stride-1 conv
-that pads the shard along one split dim (a 'same' conv, the common case) makes no padded
-copy at all: it is the conv of the shard plus the conv of the halo on thin slabs
-(``_Frame``), so a rank's peak is one device's divided by P.
+that pads the shard symmetrically along each fetched dim (a 'same' conv split one, two
+or three ways, or with a wrapped unsplit dim: the common cases) makes no padded copy at
+all: it is the conv of the shard plus the conv of each halo on thin slabs (``_Frame``),
+so a rank's peak is one device's divided by P, and the halo travels while the shard's
+own conv runs, forward and backward.
 """
 from __future__ import annotations
 
@@ -31,7 +33,13 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
-from ..transforms.halo import Fetch, exchange_async, frame, transpose_async
+from ..transforms.halo import (
+    Fetch,
+    assemble,
+    exchange_async,
+    frame,
+    transpose_async,
+)
 from ._window import (
     check_ndim,
     input_layout,
@@ -212,7 +220,7 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     shape = out_lay.local_shape(rc.rank)
     args = (st, tuple(native), dl, False, groups)
     fwd, bwd = _local_conv(args, shape if 0 in shape[2:] else None)
-    fr = _frame_plan(fetches, args, pads, k, shape, fwd)
+    fr = _frame_plan(x.shape, fetches, args, pads, k, shape, fwd)
     if fr is not None:
         return _framed(anchor(x), fr, weight, bias)
     return windowed(x, fetches, fwd, weight, bias, backward=bwd)
@@ -221,48 +229,77 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 # -- a conv that only pads the shard: the shard's conv plus the halo's, on thin slabs ----------
 
 @dataclass(frozen=True)
-class _Frame:
-    """A stride-1 conv whose one fetch pads the shard by ``p`` on both sides of ``dim``.
-
-    Its output is the conv of the shard itself, zero-padded by the conv (no copy), plus
-    the conv of the halo alone, which reaches only the first and last few output rows:
-    computed on thin slabs (``slabs``: output rows, window rows, halo rows kept). So no
-    padded copy of the shard is made in forward or backward, and the input gradient is
-    the conv's own, with the halo's added in place."""
+class _Level:
+    """One fetch of a framed conv: it pads ``shape`` (the shard padded along the earlier
+    levels' dims) by ``p`` rows on both sides of ``dim``, whose shard holds ``n``."""
     f: Fetch
     dim: int
     p: int
     n: int
-    full: tuple  # the shard's conv (``_conv_at``'s args): padding p along dim
-    slab: tuple  # the slabs' conv: no padding along dim
+    shape: tuple[int, ...]
+    args: tuple  # the slabs' conv (``_conv_at``'s): no padding along this or earlier dims
     slabs: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int]], ...]
+
+
+@dataclass(frozen=True)
+class _Frame:
+    """A stride-1 conv whose every fetch pads by ``p`` on both sides of its dim.
+
+    The window is the shard, zero-padded, plus each level's halo, so (the conv being
+    linear) the output is the conv of the shard itself, zero-padded by the conv (no
+    copy), plus the conv of each level's halo alone, which reaches only the first and
+    last few output rows along its dim: computed on thin slabs (``slabs``: output rows,
+    window rows, halo rows kept; a later level's slabs hold the earlier ones' corners).
+    So no padded copy of the shard is made in forward or backward.
+
+    Overlap: the first level's halo travels while the shard's own conv runs, a later
+    level's while the slabs of the one before run (it carries their corners). Backward,
+    the last level's cotangents travel while the shard's input gradient runs, the next
+    level's while its weight gradient runs. The exchanges are the window path's, in its
+    order, so ranks that take either path pair their messages alike. (Cutting the
+    shard's conv into parts, one per level, would hide every level but cost an
+    output-sized copy: on a GPU about what it hides.)"""
+    levels: tuple[_Level, ...]
+    full: tuple  # the shard's conv: padding p along every level's dim
     window_conv: Callable  # the conv of the whole window (for a differentiable backward)
 
 
-def _frame_plan(fetches: list[Fetch], args: tuple, pads: tuple[tuple[int, int], ...],
-                kernel: tuple[int, ...], shape: Sequence[int], window_conv: Callable):
-    """The ``_Frame`` of this conv, or None where it is not one (several fetches, a
-    stride, a trim, an asymmetric or empty window: the window path is used)."""
-    if len(fetches) != 1 or 0 in shape[2:]:
+def _frame_plan(x_shape: Sequence[int], fetches: list[Fetch], args: tuple,
+                pads: tuple[tuple[int, int], ...], kernel: tuple[int, ...],
+                shape: Sequence[int], window_conv: Callable) -> _Frame | None:
+    """The ``_Frame`` of this conv, or None where it is not one (a stride, a trim, an
+    asymmetric or empty window along a fetched dim: the window path is used)."""
+    if not fetches or 0 in shape[2:]:
         return None
-    f, (stride, native, dilation, _, _) = fetches[0], args
-    i = f.dim - 2
-    (lo, hi), (sizes, ranges, own, _, _) = pads[i], f.plan
-    a, b = ranges[f.me]
-    n = sizes[f.me]
-    if stride[i] != 1 or lo != hi or n == 0 or own[f.me] != (lo, 0, n) or b - a != n + 2 * lo:
-        return None
-    p, span, m = lo, dilation[i] * (kernel[i] - 1) + 1, shape[f.dim]
-    slabs = []
-    if p and min(p, m):  # output rows that read the first p window rows
-        slabs.append(((0, min(p, m)), (0, min(p, m) + span - 1), (0, p)))
-    b0 = max(p + n - span + 1, 0)  # the first output row that reads the last p rows
-    if p and b0 < m:
-        slabs.append(((b0, m), (b0, n + 2 * p), (p + n, n + 2 * p)))
-    full = list(native)
-    full[i] = p
-    return _Frame(f, f.dim, p, n, (stride, tuple(full), *args[2:]), args, tuple(slabs),
-                  window_conv)
+    stride, native, dilation, _, _ = args
+    for f in fetches:
+        i = f.dim - 2
+        (lo, hi), (sizes, ranges, own, _, _) = pads[i], f.plan
+        a, b = ranges[f.me]
+        n = sizes[f.me]
+        if stride[i] != 1 or lo != hi or n == 0 or own[f.me] != (lo, 0, n) or b - a != n + 2 * lo:
+            return None
+    full = list(native)  # 0 along every fetched dim
+    for f in fetches:
+        full[f.dim - 2] = pads[f.dim - 2][0]
+    levels, cur = [], list(x_shape)
+    for j, f in enumerate(fetches):
+        i = f.dim - 2
+        p, n, m = pads[i][0], f.plan[0][f.me], shape[f.dim]
+        span = dilation[i] * (kernel[i] - 1) + 1
+        slabs = []
+        if p and min(p, m):  # output rows that read the first p window rows
+            slabs.append(((0, min(p, m)), (0, min(p, m) + span - 1), (0, p)))
+        b0 = max(p + n - span + 1, 0)  # the first output row that reads the last p rows
+        if p and b0 < m:
+            slabs.append(((b0, m), (b0, n + 2 * p), (p + n, n + 2 * p)))
+        pad = list(native)  # later levels' dims are not padded yet: the conv pads them
+        for later in fetches[j + 1:]:
+            pad[later.dim - 2] = pads[later.dim - 2][0]
+        levels.append(_Level(f, f.dim, p, n, tuple(cur), (stride, tuple(pad), *args[2:]),
+                             tuple(slabs)))
+        cur[f.dim] = n + 2 * p
+    return _Frame(tuple(levels), (stride, tuple(full), *args[2:]), window_conv)
 
 
 def _conv_at(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -283,62 +320,124 @@ def _conv_bwd_at(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         transposed, [0] * len(stride), groups, mask)
 
 
-def _framed_value(x: torch.Tensor, pending: Any, fr: _Frame, weight: torch.Tensor,
+def _rows(x: torch.Tensor, recvs: list, levels: Sequence[_Level], dim: int):
+    """``take`` for a later level's exchange: ``x`` padded along ``levels`` (with what
+    arrived), built only at the positions sent along ``dim``."""
+    def take(idx: tuple[int, ...]) -> torch.Tensor:
+        at = torch.tensor(idx, dtype=torch.long, device=x.device)
+        t = x.index_select(dim, at)
+        for lv, recv in zip(levels, recvs):
+            t = assemble(t, [c.index_select(dim, at) for c in recv], lv.f)
+        return t
+    return take
+
+
+def _framed_value(x: torch.Tensor, fr: _Frame, weight: torch.Tensor,
                   bias: torch.Tensor | None) -> tuple[torch.Tensor, list]:
-    """The conv, and what arrived. The halo travels (``pending``, started by the
-    caller) while the shard's own conv runs: it needs no halo."""
+    """The conv, and what arrived at each level. The first halo travels while the
+    shard's own conv runs (it needs no halo); each later one while the slabs of the
+    level before it run."""
+    levels = fr.levels
+    pending, recvs = exchange_async(x, levels[0].f), []
     y = _conv_at(x, weight, bias, fr.full)
-    recv = pending.wait()
-    for (o0, o1), rows, keep in fr.slabs:
-        s = frame(x, recv, fr.f, rows, keep)
-        if s is not None:  # the halo's part (the conv is linear): added in place
-            y.narrow(fr.dim, o0, o1 - o0).add_(_conv_at(s, weight, None, fr.slab))
-    return y, recv
+    for j, lv in enumerate(levels):
+        recvs.append(pending.wait())
+        if j + 1 < len(levels):
+            nxt = levels[j + 1]
+            pending = exchange_async(x, nxt.f, _rows(x, recvs, levels[:j + 1], nxt.dim))
+        for (o0, o1), rows, keep in lv.slabs:
+            s = frame(x, recvs[j], lv.f, rows, keep, lv.shape)
+            if s is not None:  # the halo's part (the conv is linear): added in place
+                y.narrow(lv.dim, o0, o1 - o0).add_(_conv_at(s, weight, None, lv.args))
+    return y, recvs
 
 
 def _framed_primal(x, fr, weight, bias):
-    return _framed_value(x, exchange_async(x, fr.f), fr, weight, bias)[0]
+    return _framed_value(x, fr, weight, bias)[0]
 
 
 _framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
 
 
 def _framed_fwd(x, fr, weight, bias):
-    y, recv = _framed_value(x, exchange_async(x, fr.f), fr, weight, bias)
-    return y, (x, recv, weight, bias)
+    y, recvs = _framed_value(x, fr, weight, bias)
+    return y, (x, recvs, weight, bias)
 
 
 def _framed_bwd(fr, res, g):
-    x, recv, weight, bias = res
+    x, recvs, weight, bias = res
     _, _, nw, nb = needs_input_grad()
     needs = (nw, bias is not None and nb)
+    levels = fr.levels
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
-        return vjp_through(x, x.shape, (fr.f,), fr.window_conv, (weight, bias), needs, g)
-    # The halo's cotangents first (thin slabs), sent on their way while the shard's
-    # own conv backward, the bulk of the work, runs.
-    shape = list(x.shape)
-    shape[fr.dim] = 2 * fr.p
-    halo = g.new_zeros(shape)  # the window's cotangent outside the shard, in window order
-    gws = []
-    for (o0, o1), (w0, w1), keep in fr.slabs:
-        s = frame(x, recv, fr.f, (w0, w1), keep)
-        if s is None:  # nothing arrived there: no gradient to send, none to the weight
-            continue
-        gi, gw_slab, _ = _conv_bwd_at(g.narrow(fr.dim, o0, o1 - o0), s, weight, None,
-                                      fr.slab, [True, needs[0], False])
-        gws.append(gw_slab)
-        lo, hi = max(w0, keep[0]), min(w1, keep[1])
-        at = lo if lo < fr.p else lo - fr.n
-        halo.narrow(fr.dim, at, hi - lo).copy_(gi.narrow(fr.dim, lo - w0, hi - lo))
-    back = transpose_async(halo, fr.f, apart=True)
-    gx, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [True, *needs])
+        return vjp_through(x, x.shape, tuple(lv.f for lv in levels), fr.window_conv,
+                           (weight, bias), needs, g)
+    halos: list[torch.Tensor | None] = [None] * len(levels)  # each level's cotangent, apart
+    gws, to_shard = [], []
+
+    def halo(j: int) -> torch.Tensor:
+        if halos[j] is None:
+            shape = list(levels[j].shape)
+            shape[levels[j].dim] = 2 * levels[j].p
+            halos[j] = g.new_zeros(shape)  # the window outside the shard, in window order
+        return halos[j]
+
+    def slabs_backward(j: int) -> None:
+        lv = levels[j]
+        for (o0, o1), (w0, w1), keep in lv.slabs:
+            s = frame(x, recvs[j], lv.f, (w0, w1), keep, lv.shape)
+            if s is None:  # nothing arrived there: no gradient to send, none to the weight
+                continue
+            gi, gw_slab, _ = _conv_bwd_at(g.narrow(lv.dim, o0, o1 - o0), s, weight, None,
+                                          lv.args, [True, needs[0], False])
+            gws.append(gw_slab)
+            lo, hi = max(w0, keep[0]), min(w1, keep[1])
+            at = lo if lo < lv.p else lo - lv.n
+            halo(j).narrow(lv.dim, at, hi - lo).add_(gi.narrow(lv.dim, lo - w0, hi - lo))
+
+    def returned(j: int, got: list) -> None:
+        """What level j's owners sent back, added where its rows lie: the earlier
+        levels' halos (corners), the rest into the shard's cotangent (kept for later)."""
+        f, dim = levels[j].f, levels[j].dim
+        for r, (_, idx) in ((r, need[f.me]) for r, need in enumerate(f.plan[3]) if f.me in need):
+            at = torch.tensor(idx, dtype=torch.long, device=g.device)
+            t = got[r]
+            for i in reversed(range(j)):
+                lv = levels[i]
+                for src, dst in ((0, 0), (lv.p + lv.n, lv.p)):
+                    if lv.p:
+                        halo(i).narrow(lv.dim, dst, lv.p).index_add_(
+                            dim, at, t.narrow(lv.dim, src, lv.p))
+                t = t.narrow(lv.dim, lv.p, lv.n)
+            to_shard.append((dim, at, t))
+
+    # The last level's cotangents leave first. The shard's own conv backward, the bulk
+    # of the work, runs while they travel: its input gradient, then (with several
+    # levels) its weight gradient while the next level's travel.
+    last = len(levels) - 1
+    slabs_backward(last)
+    back = transpose_async(halo(last), levels[last].f, apart=True)
+    for j in reversed(range(len(levels))):
+        if j == last:
+            mask = [True, *needs] if last == 0 else [True, False, False]
+            gx, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, mask)
+        elif j == last - 1 and any(needs):
+            _, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [False, *needs])
+        if j:
+            slabs_backward(j - 1)
+        returned(j, back.pending.wait())
+        if j:
+            back = transpose_async(halo(j - 1), levels[j - 1].f, apart=True)
+    for dim, at, t in to_shard:
+        gx.index_add_(dim, at, t)
     if gw is not None:
         for gw_slab in gws:
             gw += gw_slab
-    return back.wait(owned=True, own_grad=gx), gw, gb
+    return gx, gw, gb
 
 
 _framed.defvjp(_framed_fwd, _framed_bwd)
+
 
 
 

@@ -19,7 +19,7 @@ exact.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -326,14 +326,18 @@ def exchange(x: torch.Tensor, f: Fetch) -> list[torch.Tensor]:
     return exchange_async(x, f).wait()
 
 
-def exchange_async(x: torch.Tensor, f: Fetch) -> Pending:
+def exchange_async(x: torch.Tensor, f: Fetch,
+                   take: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> Pending:
     """``exchange`` started: ``.wait()`` returns what arrived. Compute that needs no
-    halo (a convolution of the shard itself) runs while the halo travels."""
+    halo (a convolution of the shard itself) runs while the halo travels.
+
+    ``take(idx)``: ``x`` at the local positions ``idx`` along the fetch's dim, for an
+    ``x`` that is not built (a window padded along other dims: only its sent rows are)."""
     sizes, _, _, need, _ = f.plan
     n = len(sizes)
+    take = take or (lambda idx: _index(x, f.dim, idx))
     # What each rank r needs from me, gathered in the order r placed it.
-    chunks = [(_index(x, f.dim, need[r][f.me][1]) if f.me in need[r]
-               else _empty_like_along(x, f.dim)) for r in range(n)]
+    chunks = [take(need[r][f.me][1] if f.me in need[r] else ()) for r in range(n)]
     counts = [len(need[f.me][s][0]) if s in need[f.me] else 0 for s in range(n)]
     return _exchange_async(chunks, f, counts)
 
@@ -363,11 +367,13 @@ def is_slice(f: Fetch) -> bool:
 
 
 def frame(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch, rows: tuple[int, int],
-          keep: tuple[int, int]) -> torch.Tensor | None:
+          keep: tuple[int, int], shape: Sequence[int] | None = None) -> torch.Tensor | None:
     """Window positions ``rows = (lo, hi)`` along the fetch's dim holding only what the
     halo puts at positions ``keep = (k0, k1)`` (outside the shard), zeros elsewhere;
     None if that is all zeros. A linear op's window is the shard, zero-padded, plus such
-    slabs: each slab's part can be computed apart, with no padded copy of the shard."""
+    slabs: each slab's part can be computed apart, with no padded copy of the shard.
+    ``shape``: that of the tensor the fetch pads, where it is not ``x`` (``x`` then only
+    gives the dtype and device)."""
     _, _, _, need, const = f.plan
     lo, hi = max(rows[0], keep[0]), min(rows[1], keep[1])
     pick = lambda ps: [(i, p - rows[0]) for i, p in enumerate(ps) if lo <= p < hi]
@@ -375,7 +381,7 @@ def frame(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch, rows: tuple[i
     got = {s: pick(p) for s, (p, _) in need[f.me].items()}
     if not fill and not any(got.values()):
         return None
-    shape = list(x.shape)
+    shape = list(x.shape if shape is None else shape)
     shape[f.dim] = rows[1] - rows[0]
     out = x.new_zeros(shape)
     if fill:

@@ -332,23 +332,20 @@ def test_a_layout_that_does_not_fit_the_shard_is_named():
 
 # -- the halo travels while the shard's own conv runs -----------------------------------------
 
-def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
-    """Forward: the halo's all_to_all starts, the shard's conv runs, then the wait and the
-    thin halo slabs. Backward: the halo cotangents leave, the shard's conv backward runs,
-    then the wait. Recorded on rank 1 of a threads mesh (a middle rank: halo both sides)."""
+def _record(monkeypatch, on_rank, label) -> list:
+    """The all_to_all starts and waits and the local convs (``label(kind, input)``) of
+    the rank for which ``on_rank()`` holds, in order, on a threads mesh."""
     from spmd.comm.threads import ThreadComm
     from spmd.ops import conv as conv_mod
 
     events = []
     start = ThreadComm.all_to_all_async
-    fwd, bwd = conv_mod._conv_at, conv_mod._conv_bwd_at
-    mid = lambda: spmd.axis_index("sp") == 1  # noqa: E731
 
     def rec_start(self, chunks, group, *, name, shapes=None):
         work = start(self, chunks, group, name=name, shapes=shapes)
-        if not mid():
+        if not on_rank():
             return work
-        events.append("send")
+        events.append(label("send", chunks[1]))
 
         class Waited:
             def wait(self):
@@ -359,29 +356,130 @@ def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
 
     def rec(kind, f):
         def g(*args):
-            if mid():
-                x = args[0] if kind == "conv" else args[1]
-                events.append(f"{kind}{x.shape[2]}")
+            if on_rank():
+                events.append(label(kind, args[0] if kind == "conv" else args[1]))
             return f(*args)
         return g
 
     monkeypatch.setattr(ThreadComm, "all_to_all_async", rec_start)
-    monkeypatch.setattr(conv_mod, "_conv_at", rec("conv", fwd))
-    monkeypatch.setattr(conv_mod, "_conv_bwd_at", rec("bwd", bwd))
+    monkeypatch.setattr(conv_mod, "_conv_at", rec("conv", conv_mod._conv_at))
+    monkeypatch.setattr(conv_mod, "_conv_bwd_at", rec("bwd", conv_mod._conv_bwd_at))
+    return events
+
+
+def _rows_label(kind: str, t: torch.Tensor) -> str:
+    return kind if kind == "send" else f"{kind}{t.shape[2]}"
+
+
+def _one_split(monkeypatch, rows, w, **kw) -> tuple[list, list, torch.Tensor]:
+    """Forward and backward events of rank 1 of 3, over rows split evenly, and x."""
+    events = _record(monkeypatch, lambda: spmd.axis_index("sp") == 1, _rows_label)
     mesh = spmd.Mesh((3,), ("sp",))
     s = P(None, None, "sp")
-    x = torch.randn(1, 2, 12, 5, dtype=F64, requires_grad=True)
-    w = torch.randn(3, 2, 3, 3, dtype=F64, requires_grad=True)
-    y = spmd.shard_map(lambda x: spmd.ops.conv2d(x, w, padding=1, mesh=mesh, spec=s),
-                       mesh, s, s)(x)
+    x = torch.randn(1, 2, rows, 5, dtype=F64, requires_grad=True)
+    y = spmd.shard_map(lambda x: spmd.ops.conv2d(x, w, mesh=mesh, spec=s, **kw), mesh, s, s)(x)
     forward = list(events)
     events.clear()
     y.square().sum().backward()
+    torch.testing.assert_close(y, F.conv2d(x.detach(), w.detach(), **kw), **TOL)
+    return forward, events, x
+
+
+def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
+    """Forward: the halo's all_to_all starts, the shard's conv runs, then the wait and the
+    thin halo slabs. Backward: the halo cotangents leave, the shard's conv backward runs,
+    then the wait. Recorded on rank 1 of a threads mesh (a middle rank: halo both sides)."""
+    w = torch.randn(3, 2, 3, 3, dtype=F64)
+    forward, backward, _ = _one_split(monkeypatch, 12, w, padding=1)
     # shard of 4 rows: its own conv on all 4, then each halo row's 1-row slab
     assert forward == ["send", "conv4", "wait", "conv3", "conv3"]
-    assert events == ["bwd3", "bwd3", "send", "bwd4", "wait"]
-    want = F.conv2d(x.detach().requires_grad_(), w, padding=1)
+    assert backward == ["bwd3", "bwd3", "send", "bwd4", "wait"]
+
+
+def _levels_seen(monkeypatch) -> list:
+    """How many levels each framed conv had (None: the window path ran), on every rank."""
+    from spmd.ops import conv as conv_mod
+    seen, plan = [], conv_mod._frame_plan
+
+    def spy(*args):
+        fr = plan(*args)
+        seen.append(None if fr is None else len(fr.levels))
+        return fr
+    monkeypatch.setattr(conv_mod, "_frame_plan", spy)
+    return seen
+
+
+FRAMED = [  # (n, mesh shape, spec, sizes, mode, groups, c_out, levels)
+    (2, (2, 2), P(None, None, "x", "y"), {2: [3, 6], 3: [4, 3]}, "zeros", 1, 3, 2),
+    (2, (2, 2), P(None, None, "x", "y"), {2: [1, 8], 3: [2, 5]}, "circular", 2, 4, 2),
+    (2, (2, 2), P(None, None, "x", "y"), {2: [5, 4], 3: [6, 1]}, "reflect", 1, 1, 2),
+    (2, (2, 2), P(None, None, "y", "x"), {2: [4, 5], 3: [3, 4]}, "replicate", 2, 2, 2),
+    (2, (3,), P(None, None, "sp"), {2: [2, 4, 3]}, "circular", 1, 2, 2),  # dim 3 wraps
+    (3, (2, 2), P(None, None, "x", None, "y"), {2: [2, 4], 4: [3, 3]}, "circular", 1, 3, 3),
+]
+
+
+@pytest.mark.parametrize("n,mesh_shape,spec,sizes,mode,groups,c_out,levels", FRAMED)
+def test_a_conv_padding_along_several_dims_is_framed_level_by_level(
+        monkeypatch, n, mesh_shape, spec, sizes, mode, groups, c_out, levels):
+    """A 'same'-like conv split along two dims (or along one, with an unsplit circular
+    dim fetched too) runs as one frame of two or three levels on every rank: the
+    shard's conv, each level's halo on thin slabs, corners from the later level. Values and every gradient as one device, for each padding mode, dilation,
+    groups, uneven shards and shards narrower than the halo."""
+    seen = _levels_seen(monkeypatch)
+    mesh = spmd.Mesh(mesh_shape, ("x", "y") if len(mesh_shape) == 2 else ("sp",))
+    shape = (2, 2 * groups, *[sum(sizes[d]) if d in sizes else 5 for d in range(2, 2 + n)])
+    geometry = (dict(k=(3, 5), dilation=(2, 1), padding=(2, 2)) if n == 2 else
+                dict(k=(3, 3, 3), dilation=1, padding=(1, 2, 1)))
+    run_conv(dict(n=n, mesh=mesh, lay=Layout(shape, spec, mesh, sizes), shape=shape,
+                  stride=1, groups=groups, c_out=c_out * groups, mode=mode, bias=True,
+                  by_layout=False, seed=7, **geometry))
+    assert set(seen) == {levels}, seen
+
+
+def test_ranks_on_the_frame_and_the_window_path_pair_their_messages():
+    """An empty shard takes the window path while its peers take the frame: both
+    exchange the same rows in the same order, so the results are exact."""
+    mesh = spmd.Mesh((2, 2), ("x", "y"))
+    shape = (1, 2, 6, 7)
+    lay = Layout(shape, P(None, None, "x", "y"), mesh, {2: [0, 6], 3: [4, 3]})
+    run_conv(dict(n=2, mesh=mesh, lay=lay, shape=shape, k=(3, 3), stride=1, dilation=1,
+                  padding=1, groups=1, c_out=2, mode="circular", bias=False, by_layout=False,
+                  seed=1))
+
+
+def test_each_levels_halo_travels_while_the_shards_conv_or_the_slabs_run(monkeypatch):
+    """Two levels (a 2x2 mesh, circular: halos on both sides). Forward: the first halo
+    leaves, the shard's conv runs, the wait; the second halo leaves (rows padded along
+    the first dim: corners included) while the first level's slabs run; the wait, the
+    second level's slabs. Backward: the second level's slabs, its halo home while the
+    shard's input gradient and the first level's slabs run, the wait (corners added
+    into the first level's halo), the first halo home while the weight gradient runs."""
+    shapes = lambda t: "x".join(map(str, t.shape[2:]))  # noqa: E731
+    events = _record(monkeypatch, lambda: spmd.axis_index("x") == 0 and spmd.axis_index("y") == 0,
+                     lambda kind, t: kind + (shapes(t) if kind == "send" else
+                                             f"{t.shape[1]}:{shapes(t)}"))
+    mesh = spmd.Mesh((2, 2), ("x", "y"))
+    s = P(None, None, "x", "y")
+    x = torch.randn(1, 2, 8, 6, dtype=F64, requires_grad=True)
+    w = torch.randn(4, 2, 3, 3, dtype=F64, requires_grad=True)
+    y = spmd.shard_map(lambda x: spmd.ops.conv2d(x, w, padding=1, padding_mode="circular",
+                                                 mesh=mesh, spec=s), mesh, s, s)(x)
+    forward = list(events)
+    events.clear()
+    y.square().sum().backward()
+    # shard 4 x 3 (two peers per axis: both wrapped rows go to the one peer); the first
+    # halo: 2 rows of 3, the second: 2 columns of 4 + 2 corner rows
+    assert forward == ["send2x3", "conv2:4x3", "wait", "send6x2", "conv2:3x3", "conv2:3x3",
+                       "wait", "conv2:6x3", "conv2:6x3"]
+    assert events == ["bwd2:6x3", "bwd2:6x3", "send6x2", "bwd2:4x3", "bwd2:3x3", "bwd2:3x3",
+                      "wait", "send2x3", "bwd2:4x3", "wait"]
+    want = F.conv2d(F.pad(x.detach(), (1, 1, 1, 1), mode="circular"), w)
     torch.testing.assert_close(y, want, **TOL)
+    gx, gw = torch.autograd.grad(F.conv2d(F.pad(x, (1, 1, 1, 1), mode="circular"), w)
+                                 .square().sum(), (x, w))
+    torch.testing.assert_close(x.grad, gx, **TOL)
+    torch.testing.assert_close(w.grad, gw, **TOL)
 
 
 @pytest.mark.parametrize("stride", [1, 2])  # the framed path and the window path
