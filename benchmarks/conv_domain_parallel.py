@@ -1,7 +1,7 @@
 """Domain-parallel conv2d, forward + backward, on gloo processes against one process.
 
     python benchmarks/conv_domain_parallel.py [--world 2] [--shape 1,32,512,512]
-        [--channels-out 32] [--kernel 3] [--steps 10] [--mode zeros|circular]
+        [--channels-out 32] [--kernel 3] [--steps 10] [--mode zeros|circular] [--stride 1]
 
 Every process uses one thread (torch.set_num_threads(1)). One step is a kxk conv2d
 ('same' padding, ``--mode``) forward and backward (input and weight gradients) from a
@@ -14,10 +14,11 @@ fixed cotangent:
   halo travels while the shard's own conv runs (``conv.py: _Frame``); with ``--mode
   circular`` W is wrapped too, a second level (its halo carries the corners) that
   travels while the first level's slabs run, and in backward while the weight
-  gradient runs;
-- ``spmd, window first``: the same op with the frame turned off: the whole window is
-  fetched, then convolved (the path of strided convs);
-- ``hand-written``: the same with a hand-written halo exchange (``dist.isend``/
+  gradient runs. With ``--stride 2`` the output rows whose input lies in the shard are
+  computed while the halo travels, then the edge rows (``conv.py: _Runs``);
+- ``spmd, window first``: the same op with both turned off: the whole window is
+  fetched, then convolved (what every conv did before);
+- ``hand-written`` (stride 1): the same with a hand-written halo exchange (``dist.isend``/
   ``irecv`` of the rows each neighbour needs, ``F.pad``, ``F.conv2d``, and the halo
   rows' gradients sent back and added), the lower bound spmd should match.
 
@@ -52,45 +53,49 @@ def _inputs(shape, c_out, k):
     return x, w
 
 
-def single(shape, c_out, k, steps, mode):
+def single(shape, c_out, k, steps, mode, stride):
     torch.set_num_threads(1)
     x, w = _inputs(shape, c_out, k)
     x.requires_grad_()
     w.requires_grad_()
-    gy = torch.randn(shape[0], c_out, shape[2], shape[3])
+
+    def conv():
+        return (F.conv2d(x, w, stride=stride, padding=k // 2) if mode == "zeros" else
+                F.conv2d(F.pad(x, [k // 2] * 4, mode=mode), w, stride=stride))
+    gy = torch.randn(conv().shape)
 
     def step():
-        y = F.conv2d(x, w, padding=k // 2) if mode == "zeros" else \
-            F.conv2d(F.pad(x, [k // 2] * 4, mode=mode), w)
-        torch.autograd.grad(y, (x, w), gy)
+        torch.autograd.grad(conv(), (x, w), gy)
     return median_ms(step, steps)
 
 
 @contextmanager
 def _window_first():
-    """spmd's conv with the frame turned off: the whole window, then the conv."""
-    plan = conv_mod._frame_plan
-    conv_mod._frame_plan = lambda *args: None
+    """spmd's conv with the frame and the runs turned off: the whole window, then the
+    conv."""
+    plans = conv_mod._frame_plan, conv_mod._runs_plan
+    conv_mod._frame_plan = conv_mod._runs_plan = lambda *args: None
     try:
         yield
     finally:
-        conv_mod._frame_plan = plan
+        conv_mod._frame_plan, conv_mod._runs_plan = plans
 
 
-def per_rank(mesh, shape, c_out, k, steps, mode):
+def per_rank(mesh, shape, c_out, k, steps, mode, stride):
     torch.set_num_threads(1)
     spec = P(None, None, "sp")
     lay = Layout(shape, spec, mesh)
     xg, wg = _inputs(shape, c_out, k)
     x = lay.shard(xg, mesh.rank).clone().requires_grad_()
     w = wg.clone().requires_grad_()
-    out = spmd.ops.conv2d.output_layout(lay, w.shape, padding=k // 2)
+    out = spmd.ops.conv2d.output_layout(lay, w.shape, stride=stride, padding=k // 2)
     gy = torch.randn(out.local_shape(mesh.rank))
     group = mesh.group("sp", mesh.rank)
 
     def spmd_step():
         with mesh:
-            y = spmd.ops.conv2d(x, w, padding=k // 2, padding_mode=mode, mesh=mesh, spec=lay)
+            y = spmd.ops.conv2d(x, w, stride=stride, padding=k // 2, padding_mode=mode,
+                                mesh=mesh, spec=lay)
             gx, gw = torch.autograd.grad(y, (x, w), gy)
             comm_of(mesh).all_reduce(gw, "sum", group, name="weight grad")
 
@@ -137,7 +142,9 @@ def per_rank(mesh, shape, c_out, k, steps, mode):
             gx[:, :, -h:] += down
         dist.all_reduce(gw, group=pg)
 
-    steps_of = {"spmd": spmd_step, "window": window_step, "hand": hand_step}
+    steps_of = {"spmd": spmd_step, "window": window_step}
+    if stride == 1:
+        steps_of["hand"] = hand_step
     times = {name: [] for name in steps_of}
     for i in range(steps + 2):
         for name, step in steps_of.items():
@@ -159,15 +166,17 @@ def main() -> None:
     ap.add_argument("--kernel", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--mode", default="zeros", choices=["zeros", "circular"])
+    ap.add_argument("--stride", type=int, default=1)
     a = ap.parse_args()
     shape = tuple(int(v) for v in a.shape.split(","))
-    t1 = spmd.launch(lambda mesh: single(shape, a.channels_out, a.kernel, a.steps, a.mode),
-                     (1,), ("sp",))[0]
+    t1 = spmd.launch(lambda mesh: single(shape, a.channels_out, a.kernel, a.steps, a.mode,
+                                         a.stride), (1,), ("sp",))[0]
     got = spmd.launch(per_rank, (a.world,), ("sp",), backend="gloo",
-                      args=(shape, a.channels_out, a.kernel, a.steps, a.mode), timeout=600)
+                      args=(shape, a.channels_out, a.kernel, a.steps, a.mode, a.stride),
+                      timeout=600)
     t = {name: max(g[0][name] for g in got) for name in got[0][0]}  # the slowest rank
     print(f"conv2d f32{list(shape)} -> {a.channels_out} channels, {a.kernel}x{a.kernel}, "
-          f"padding_mode={a.mode!r}, forward + backward, split over H, gloo world "
+          f"stride {a.stride}, padding_mode={a.mode!r}, forward + backward, split over H, gloo world "
           f"{a.world}, 1 thread per process\n")
     print("| variant | ms per step | parallel efficiency T1/(world*T) | bytes sent per rank |")
     print("| --- | ---: | ---: | ---: |")
@@ -175,6 +184,8 @@ def main() -> None:
     rows = [("spmd.ops.conv2d (halo overlapped)", "spmd", ", ".join(str(g[1]) for g in got)),
             ("spmd, window first", "window", ""), ("hand-written halo conv", "hand", "")]
     for title, name, sent in rows:
+        if name not in t:
+            continue
         print(f"| {title} | {t[name]:.1f} | {t1 / (a.world * t[name]):.2f} | {sent} |")
 
 
