@@ -14,10 +14,9 @@ fixed cotangent:
   halo travels while the shard's own conv runs (``conv.py: _Frame``); with ``--mode
   circular`` W is wrapped too, a second level (its halo carries the corners) that
   travels while the first level's slabs run, and in backward while the weight
-  gradient runs. With ``--stride 2`` the output rows whose input lies in the shard are
-  computed while the halo travels, then the edge rows (``conv.py: _Runs``);
-- ``spmd, window first``: the same op with both turned off: the whole window is
-  fetched, then convolved (what every conv did before);
+  gradient runs;
+- ``spmd, window first``: the same op with the frame turned off: the whole window is
+  fetched, then convolved (what every conv did before, and what a strided one does);
 - ``hand-written`` (stride 1): the same with a hand-written halo exchange (``dist.isend``/
   ``irecv`` of the rows each neighbour needs, ``F.pad``, ``F.conv2d``, and the halo
   rows' gradients sent back and added), the lower bound spmd should match.
@@ -33,7 +32,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -69,16 +68,9 @@ def single(shape, c_out, k, steps, mode, stride):
     return median_ms(step, steps)
 
 
-@contextmanager
 def _window_first():
-    """spmd's conv with the frame and the runs turned off: the whole window, then the
-    conv."""
-    plans = conv_mod._frame_plan, conv_mod._runs_plan
-    conv_mod._frame_plan = conv_mod._runs_plan = lambda *args: None
-    try:
-        yield
-    finally:
-        conv_mod._frame_plan, conv_mod._runs_plan = plans
+    """spmd's conv with the frame turned off: the whole window, then the conv."""
+    return patch.object(conv_mod, "_frame_plan", lambda *args: None)
 
 
 def per_rank(mesh, shape, c_out, k, steps, mode, stride):

@@ -14,9 +14,7 @@ that pads the shard symmetrically along each fetched dim (a 'same' conv split on
 or three ways, or with a wrapped unsplit dim: the common cases) makes no padded copy at
 all: it is the conv of the shard plus the conv of each halo on thin slabs (``_Frame``),
 so a rank's peak is one device's divided by P, and the halo travels while the shard's
-own conv runs, forward and backward. A conv with one fetched dim whose window is not of
-that form (a stride, a trim) computes the output rows whose input lies in the shard
-while the halo travels, then the edge rows from the window rows around them (``_Runs``).
+own conv runs, forward and backward.
 """
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ from ..transforms.halo import (
     assemble,
     exchange_async,
     frame,
-    is_slice,
     transpose_async,
 )
 from ._window import (
@@ -226,9 +223,6 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     fr = _frame_plan(x.shape, fetches, args, pads, k, shape, fwd)
     if fr is not None:
         return _framed(anchor(x), fr, weight, bias)
-    rw = _runs_plan(fetches, args, k, shape, fwd)
-    if rw is not None:
-        return _by_runs(anchor(x), rw, weight, bias)
     return windowed(x, fetches, fwd, weight, bias, backward=bwd)
 
 
@@ -358,26 +352,9 @@ def _framed_value(x: torch.Tensor, fr: _Frame, weight: torch.Tensor,
     return y, recvs
 
 
-def _framed_primal(x, fr, weight, bias):
-    return _framed_value(x, fr, weight, bias)[0]
-
-
-_framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
-
-
-def _framed_fwd(x, fr, weight, bias):
-    y, recvs = _framed_value(x, fr, weight, bias)
-    return y, (x, recvs, weight, bias)
-
-
-def _framed_bwd(fr, res, g):
-    x, recvs, weight, bias = res
-    _, _, nw, nb = needs_input_grad()
-    needs = (nw, bias is not None and nb)
+def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Tensor,
+                     bias: torch.Tensor | None, needs: tuple, g: torch.Tensor) -> tuple:
     levels = fr.levels
-    if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
-        return vjp_through(x, x.shape, tuple(lv.f for lv in levels), fr.window_conv,
-                           (weight, bias), needs, g)
     halos: list[torch.Tensor | None] = [None] * len(levels)  # each level's cotangent, apart
     gws, to_shard = [], []
 
@@ -442,136 +419,31 @@ def _framed_bwd(fr, res, g):
     return gx, gw, gb
 
 
-_framed.defvjp(_framed_fwd, _framed_bwd)
 
 
-# -- a conv with one fetch that is not a frame: the interior from the shard, then the edges ---
-
-@dataclass(frozen=True)
-class _Runs:
-    """A conv with one fetch whose window is not the shard padded alike on both sides
-    (a stride, a trim, an asymmetric window): its output rows in runs along ``dim``.
-    The interior's input rows lie in the shard: computed from the shard while the halo
-    travels; the edges' from the window rows around them once it has arrived. Backward,
-    the edges first, so their halo cotangents travel while the interior's backward
-    runs. ``runs``: (output rows, window rows, interior) in row order."""
-    f: Fetch
-    dim: int
-    pos: int  # where the shard's rows start in the window
-    loc: int  # the first of the shard's rows the window holds
-    k: int  # how many it holds
-    width: int  # the window's length
-    runs: tuple[tuple[tuple[int, int], tuple[int, int], bool], ...]
-    args: tuple
-    window_conv: Callable
+def _framed_primal(x, fr, weight, bias):
+    return _framed_value(x, fr, weight, bias)[0]
 
 
-def _runs_plan(fetches: list[Fetch], args: tuple, kernel: tuple[int, ...],
-               shape: Sequence[int], window_conv: Callable) -> _Runs | None:
-    """The ``_Runs`` of this conv, or None (several fetches, no halo, no output, or no
-    output row whose input lies in the shard: the window path is used)."""
-    if len(fetches) != 1 or 0 in shape[2:] or is_slice(fetches[0]):
-        return None
-    f, (stride, _, dilation, _, _) = fetches[0], args
-    i, m = f.dim - 2, shape[f.dim]
-    s, span = stride[i], dilation[i] * (kernel[i] - 1) + 1
-    (a, b), (pos, loc, k) = f.plan[1][f.me], f.plan[2][f.me]
-    oa = -(-pos // s)  # the first output row reading no row before the shard's
-    ob = min((pos + k - span) // s + 1, m) if pos + k >= span else 0
-    if ob <= oa:
-        return None
-    runs = [((0, oa), (0, s * (oa - 1) + span), False)] if oa else []
-    runs.append(((oa, ob), (s * oa, s * (ob - 1) + span), True))
-    if ob < m:
-        runs.append(((ob, m), (s * ob, s * (m - 1) + span), False))
-    return _Runs(f, f.dim, pos, loc, k, b - a, tuple(runs), args, window_conv)
+_framed = custom_vjp(_framed_primal, nondiff_argnums=(1,))
 
 
-def _window_rows(x: torch.Tensor, recv: list, rw: _Runs, rows: tuple[int, int]) -> torch.Tensor:
-    """The window's rows ``[r0, r1)``: the halo's and the shard's, without the window."""
-    r0, r1 = rows
-    out = frame(x, recv, rw.f, rows, (0, rw.width))
-    if out is None:
-        shape = list(x.shape)
-        shape[rw.dim] = r1 - r0
-        out = x.new_zeros(shape)
-    lo, hi = max(r0, rw.pos), min(r1, rw.pos + rw.k)
-    if hi > lo:
-        out.narrow(rw.dim, lo - r0, hi - lo).copy_(x.narrow(rw.dim, rw.loc + lo - rw.pos, hi - lo))
-    return out
+def _framed_fwd(x, fr, weight, bias):
+    y, recvs = _framed_value(x, fr, weight, bias)
+    return y, (x, recvs, weight, bias)
 
 
-def _interior_rows(x: torch.Tensor, rw: _Runs, rows: tuple[int, int]) -> torch.Tensor:
-    return x.narrow(rw.dim, rw.loc + rows[0] - rw.pos, rows[1] - rows[0])
-
-
-def _runs_value(x: torch.Tensor, rw: _Runs, weight: torch.Tensor,
-                bias: torch.Tensor | None) -> tuple[torch.Tensor, list]:
-    pending = exchange_async(x, rw.f)
-    outs = [_conv_at(_interior_rows(x, rw, rows), weight, bias, rw.args) if inner else None
-            for _, rows, inner in rw.runs]
-    recv = pending.wait()
-    for j, (_, rows, inner) in enumerate(rw.runs):
-        if not inner:
-            outs[j] = _conv_at(_window_rows(x, recv, rw, rows), weight, bias, rw.args)
-    return (outs[0] if len(outs) == 1 else torch.cat(outs, rw.dim)), recv
-
-
-def _runs_primal(x, rw, weight, bias):
-    return _runs_value(x, rw, weight, bias)[0]
-
-
-_by_runs = custom_vjp(_runs_primal, nondiff_argnums=(1,))
-
-
-def _runs_fwd(x, rw, weight, bias):
-    y, recv = _runs_value(x, rw, weight, bias)
-    return y, (x, recv, weight, bias)
-
-
-def _runs_bwd(rw, res, g):
-    x, recv, weight, bias = res
+def _framed_bwd(fr, res, g):
+    x, recvs, weight, bias = res
     _, _, nw, nb = needs_input_grad()
     needs = (nw, bias is not None and nb)
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
-        return vjp_through(x, x.shape, (rw.f,), rw.window_conv, (weight, bias), needs, g)
-    d, gx, gws = rw.dim, torch.zeros_like(x), []
-    shape = list(x.shape)
-    shape[d] = rw.width - rw.k
-    halo = g.new_zeros(shape)  # the window's cotangent outside the shard, in window order
-
-    def backward(run, win):
-        (o0, o1), (w0, w1), _ = run
-        gi, gw, _ = _conv_bwd_at(g.narrow(d, o0, o1 - o0), win, weight, None, rw.args,
-                                 [True, needs[0], False])
-        gws.append(gw)
-        return gi, w0, w1
-
-    # the edges first: their halo cotangents leave while the interior's backward runs
-    for run in rw.runs:
-        if not run[2]:
-            gi, w0, w1 = backward(run, _window_rows(x, recv, rw, run[1]))
-            for lo, hi, at in ((w0, min(w1, rw.pos), 0), (max(w0, rw.pos + rw.k), w1, -rw.k)):
-                if hi > lo:  # the halo's rows, apart from the shard's block
-                    halo.narrow(d, lo + at, hi - lo).add_(gi.narrow(d, lo - w0, hi - lo))
-            lo, hi = max(w0, rw.pos), min(w1, rw.pos + rw.k)
-            if hi > lo:
-                gx.narrow(d, rw.loc + lo - rw.pos, hi - lo).add_(gi.narrow(d, lo - w0, hi - lo))
-    back = transpose_async(halo, rw.f, apart=True)
-    for run in rw.runs:
-        if run[2]:
-            gi, w0, w1 = backward(run, _interior_rows(x, rw, run[1]))
-            gx.narrow(d, rw.loc + w0 - rw.pos, w1 - w0).add_(gi)
-    gw = None
-    if needs[0]:
-        gw = gws[0]
-        for part in gws[1:]:
-            gw = gw + part
-    gb = g.sum([i for i in range(g.ndim) if i != 1]) if needs[1] else None
-    return back.wait(owned=True, own_grad=gx), gw, gb
+        return vjp_through(x, x.shape, tuple(lv.f for lv in fr.levels), fr.window_conv,
+                           (weight, bias), needs, g)
+    return _framed_backward(fr, x, recvs, weight, bias, needs, g)
 
 
-_by_runs.defvjp(_runs_fwd, _runs_bwd)
+_framed.defvjp(_framed_fwd, _framed_bwd)
 
 
 

@@ -396,24 +396,6 @@ def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
     assert backward == ["bwd3", "bwd3", "send", "bwd4", "wait"]
 
 
-def test_a_strided_conv_computes_its_interior_while_the_halo_travels(monkeypatch):
-    """A stride-2 conv (its window is not the shard padded alike: 1 row above, 1 below):
-    the output rows whose input lies in the shard are computed from the shard while
-    the halo travels, then the edge rows from the window rows around them. Backward:
-    the edges, their halo cotangents leave, the interior, the wait. Exact, with the
-    weight's and bias's gradients."""
-    w = torch.randn(3, 2, 4, 3, dtype=F64, requires_grad=True)
-    b = torch.randn(3, dtype=F64, requires_grad=True)
-    forward, backward, x = _one_split(monkeypatch, 18, w, bias=b, stride=2, padding=1)
-    # rank 1 of [6, 6, 6] computes output rows 3..5 from global rows [5, 13): the
-    # interior (row 4) from 4 of its rows, rows 3 and 5 from 4 window rows each
-    assert forward == ["send", "conv4", "wait", "conv4", "conv4"]
-    assert backward == ["bwd4", "bwd4", "send", "bwd4", "wait"]
-    want = torch.autograd.grad(F.conv2d(x, w, b, stride=2, padding=1).square().sum(), (x, w, b))
-    for got, exp in zip((x.grad, w.grad, b.grad), want):
-        torch.testing.assert_close(got, exp, **TOL)
-
-
 def _levels_seen(monkeypatch) -> list:
     """How many levels each framed conv had (None: the window path ran), on every rank."""
     from spmd.ops import conv as conv_mod
