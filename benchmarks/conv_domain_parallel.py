@@ -14,9 +14,9 @@ fixed cotangent:
   halo travels while the shard's own conv runs (``conv.py: _Frame``); with ``--mode
   circular`` W is wrapped too, a second level (its halo carries the corners) that
   travels while the first level's slabs run, and in backward while the weight
-  gradient runs;
+  gradient runs. ``--stride 2`` on even shards is framed too;
 - ``spmd, window first``: the same op with the frame turned off: the whole window is
-  fetched, then convolved (what every conv did before, and what a strided one does);
+  fetched, then convolved (what every conv did before; a strided one on uneven shards);
 - ``hand-written`` (stride 1): the same with a hand-written halo exchange (``dist.isend``/
   ``irecv`` of the rows each neighbour needs, ``F.pad``, ``F.conv2d``, and the halo
   rows' gradients sent back and added), the lower bound spmd should match.

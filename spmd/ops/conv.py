@@ -9,12 +9,13 @@ and only those rows move. Weight and bias are replicated: each rank's local conv
 its partial weight gradient (DESIGN.md: shard_map sums them).
 
 Memory: autograd keeps the shard and the halo rows that arrived (``windowed``), and the
-backward is ATen's convolution backward on the window rebuilt from them. A stride-1 conv
-that pads the shard symmetrically along each fetched dim (a 'same' conv split one, two
-or three ways, or with a wrapped unsplit dim: the common cases) makes no padded copy at
-all: it is the conv of the shard plus the conv of each halo on thin slabs (``_Frame``),
-so a rank's peak is one device's divided by P, and the halo travels while the shard's
-own conv runs, forward and backward.
+backward is ATen's convolution backward on the window rebuilt from them. A conv whose
+window is, along each fetched dim, the shard padded alike on both sides as far as its
+outputs read (a 'same' conv split one, two or three ways, or with a wrapped unsplit dim;
+a strided one on even shards: the common cases) makes no padded copy at all: it is the
+conv of the shard plus the conv of each halo on thin slabs (``_Frame``), so a rank's
+peak is one device's divided by P, and the halo travels while the shard's own conv
+runs, forward and backward.
 """
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     shape = out_lay.local_shape(rc.rank)
     args = (st, tuple(native), dl, False, groups)
     fwd, bwd = _local_conv(args, shape if 0 in shape[2:] else None)
-    fr = _frame_plan(x.shape, fetches, args, pads, k, shape, fwd)
+    fr = _frame_plan(x.shape, fetches, args, k, shape, fwd)
     if fr is not None:
         return _framed(anchor(x), fr, weight, bias)
     return windowed(x, fetches, fwd, weight, bias, backward=bwd)
@@ -230,12 +231,15 @@ def _conv(n: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 @dataclass(frozen=True)
 class _Level:
-    """One fetch of a framed conv: it pads ``shape`` (the shard padded along the earlier
-    levels' dims) by ``p`` rows on both sides of ``dim``, whose shard holds ``n``."""
+    """One fetch of a framed conv along ``dim`` of ``shape`` (the shard padded along the
+    earlier levels' dims): the window of ``width`` rows holds ``k`` of the shard's rows,
+    from its row ``loc``, at ``pos``; the rest is halo (or padding)."""
     f: Fetch
     dim: int
-    p: int
-    n: int
+    pos: int
+    loc: int
+    k: int
+    width: int
     shape: tuple[int, ...]
     args: tuple  # the slabs' conv (``_conv_at``'s): no padding along this or earlier dims
     slabs: tuple[tuple[tuple[int, int], tuple[int, int], tuple[int, int]], ...]
@@ -243,7 +247,10 @@ class _Level:
 
 @dataclass(frozen=True)
 class _Frame:
-    """A stride-1 conv whose every fetch pads by ``p`` on both sides of its dim.
+    """A conv whose every fetched dim is, to the conv, the shard zero-padded alike on
+    both sides: its window starts ``P >= 0`` rows before the shard's first row, and the
+    conv of the shard padded by ``P`` has exactly the rank's output rows (a 'same' conv,
+    and a strided one on even shards: any stride, dilation, padding mode).
 
     The window is the shard, zero-padded, plus each level's halo, so (the conv being
     linear) the output is the conv of the shard itself, zero-padded by the conv (no
@@ -260,45 +267,46 @@ class _Frame:
     shard's conv into parts, one per level, would hide every level but cost an
     output-sized copy: on a GPU about what it hides.)"""
     levels: tuple[_Level, ...]
-    full: tuple  # the shard's conv: padding p along every level's dim
+    full: tuple  # the shard's conv: padding P along every level's dim
     window_conv: Callable  # the conv of the whole window (for a differentiable backward)
 
 
 def _frame_plan(x_shape: Sequence[int], fetches: list[Fetch], args: tuple,
-                pads: tuple[tuple[int, int], ...], kernel: tuple[int, ...],
-                shape: Sequence[int], window_conv: Callable) -> _Frame | None:
-    """The ``_Frame`` of this conv, or None where it is not one (a stride, a trim, an
-    asymmetric or empty window along a fetched dim: the window path is used)."""
+                kernel: tuple[int, ...], shape: Sequence[int],
+                window_conv: Callable) -> _Frame | None:
+    """The ``_Frame`` of this conv, or None where it is not one (a window that starts
+    inside the shard, or ends further past it than the conv's padding reaches; an empty
+    shard or output: the window path is used)."""
     if not fetches or 0 in shape[2:]:
         return None
     stride, native, dilation, _, _ = args
-    for f in fetches:
-        i = f.dim - 2
-        (lo, hi), (sizes, ranges, own, _, _) = pads[i], f.plan
-        a, b = ranges[f.me]
-        n = sizes[f.me]
-        if stride[i] != 1 or lo != hi or n == 0 or own[f.me] != (lo, 0, n) or b - a != n + 2 * lo:
-            return None
     full = list(native)  # 0 along every fetched dim
     for f in fetches:
-        full[f.dim - 2] = pads[f.dim - 2][0]
+        i = f.dim - 2
+        n, (pos, loc, k) = f.plan[0][f.me], f.plan[2][f.me]
+        span = dilation[i] * (kernel[i] - 1) + 1
+        P = pos - loc
+        if k == 0 or P < 0 or n + 2 * P < span or (n + 2 * P - span) // stride[i] + 1 != shape[f.dim]:
+            return None
+        full[i] = P
     levels, cur = [], list(x_shape)
     for j, f in enumerate(fetches):
-        i = f.dim - 2
-        p, n, m = pads[i][0], f.plan[0][f.me], shape[f.dim]
+        i, m, s = f.dim - 2, shape[f.dim], stride[f.dim - 2]
+        (a, b), (pos, loc, k) = f.plan[1][f.me], f.plan[2][f.me]
         span = dilation[i] * (kernel[i] - 1) + 1
         slabs = []
-        if p and min(p, m):  # output rows that read the first p window rows
-            slabs.append(((0, min(p, m)), (0, min(p, m) + span - 1), (0, p)))
-        b0 = max(p + n - span + 1, 0)  # the first output row that reads the last p rows
-        if p and b0 < m:
-            slabs.append(((b0, m), (b0, n + 2 * p), (p + n, n + 2 * p)))
+        oa = min(-(-pos // s), m)  # the output rows that read a row before the shard's
+        if oa:
+            slabs.append(((0, oa), (0, s * (oa - 1) + span), (0, pos)))
+        ob = max((pos + k - span) // s + 1, 0)  # the first that reads a row after them
+        if b - a > pos + k and ob < m:
+            slabs.append(((ob, m), (s * ob, s * (m - 1) + span), (pos + k, b - a)))
         pad = list(native)  # later levels' dims are not padded yet: the conv pads them
         for later in fetches[j + 1:]:
-            pad[later.dim - 2] = pads[later.dim - 2][0]
-        levels.append(_Level(f, f.dim, p, n, tuple(cur), (stride, tuple(pad), *args[2:]),
-                             tuple(slabs)))
-        cur[f.dim] = n + 2 * p
+            pad[later.dim - 2] = full[later.dim - 2]
+        levels.append(_Level(f, f.dim, pos, loc, k, b - a, tuple(cur),
+                             (stride, tuple(pad), *args[2:]), tuple(slabs)))
+        cur[f.dim] = b - a
     return _Frame(tuple(levels), (stride, tuple(full), *args[2:]), window_conv)
 
 
@@ -318,6 +326,12 @@ def _conv_bwd_at(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return torch.ops.aten.convolution_backward(
         g, x, weight, None if bias is None else [bias.shape[0]], stride, padding, dilation,
         transposed, [0] * len(stride), groups, mask)
+
+
+def _cut(t: torch.Tensor, cuts: list) -> torch.Tensor:
+    for dim, start, length in cuts:
+        t = t.narrow(dim, start, length)
+    return t
 
 
 def _rows(x: torch.Tensor, recvs: list, levels: Sequence[_Level], dim: int):
@@ -361,7 +375,7 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
     def halo(j: int) -> torch.Tensor:
         if halos[j] is None:
             shape = list(levels[j].shape)
-            shape[levels[j].dim] = 2 * levels[j].p
+            shape[levels[j].dim] = levels[j].width - levels[j].k
             halos[j] = g.new_zeros(shape)  # the window outside the shard, in window order
         return halos[j]
 
@@ -375,24 +389,29 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
                                           lv.args, [True, needs[0], False])
             gws.append(gw_slab)
             lo, hi = max(w0, keep[0]), min(w1, keep[1])
-            at = lo if lo < lv.p else lo - lv.n
+            at = lo if lo < lv.pos else lo - lv.k
             halo(j).narrow(lv.dim, at, hi - lo).add_(gi.narrow(lv.dim, lo - w0, hi - lo))
 
     def returned(j: int, got: list) -> None:
         """What level j's owners sent back, added where its rows lie: the earlier
-        levels' halos (corners), the rest into the shard's cotangent (kept for later)."""
+        levels' halos (corners), the rest into the shard's cotangent (kept for later).
+        ``cuts``: the shard rows each later level's window holds, to narrow a target
+        tensor (a halo, the shard's cotangent) to the rows that arrived."""
         f, dim = levels[j].f, levels[j].dim
-        for r, (_, idx) in ((r, need[f.me]) for r, need in enumerate(f.plan[3]) if f.me in need):
-            at = torch.tensor(idx, dtype=torch.long, device=g.device)
-            t = got[r]
+        for r, need in enumerate(f.plan[3]):
+            if f.me not in need:
+                continue
+            at = torch.tensor(need[f.me][1], dtype=torch.long, device=g.device)
+            t, cuts = got[r], []
             for i in reversed(range(j)):
                 lv = levels[i]
-                for src, dst in ((0, 0), (lv.p + lv.n, lv.p)):
-                    if lv.p:
-                        halo(i).narrow(lv.dim, dst, lv.p).index_add_(
-                            dim, at, t.narrow(lv.dim, src, lv.p))
-                t = t.narrow(lv.dim, lv.p, lv.n)
-            to_shard.append((dim, at, t))
+                h = _cut(halo(i), cuts)
+                for src, dst, n in ((0, 0, lv.pos), (lv.pos + lv.k, lv.pos, lv.width - lv.pos - lv.k)):
+                    if n:
+                        h.narrow(lv.dim, dst, n).index_add_(dim, at, t.narrow(lv.dim, src, n))
+                t = t.narrow(lv.dim, lv.pos, lv.k)
+                cuts.append((lv.dim, lv.loc, lv.k))
+            to_shard.append((dim, at, t, cuts))
 
     # The last level's cotangents leave first. The shard's own conv backward, the bulk
     # of the work, runs while they travel: its input gradient, then (with several
@@ -411,8 +430,8 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
         returned(j, back.pending.wait())
         if j:
             back = transpose_async(halo(j - 1), levels[j - 1].f, apart=True)
-    for dim, at, t in to_shard:
-        gx.index_add_(dim, at, t)
+    for dim, at, t, cuts in to_shard:
+        _cut(gx, cuts).index_add_(dim, at, t)
     if gw is not None:
         for gw_slab in gws:
             gw += gw_slab

@@ -437,6 +437,33 @@ def test_a_conv_padding_along_several_dims_is_framed_level_by_level(
     assert set(seen) == {levels}, seen
 
 
+STRIDED = [  # (mesh shape, spec, sizes, k, levels seen on the ranks: zeros, circular)
+    ((3,), P(None, None, "sp"), {2: [6, 6, 6]}, (3, 3), ({1}, {2})),  # circular: W too
+    ((2, 2), P(None, None, "x", "y"), {2: [4, 4], 3: [6, 6]}, (3, 3), ({2}, {2})),
+    # W: the second half's window starts at its shard and reads 2 rows past it: windowed
+    ((2, 2), P(None, None, "x", "y"), {2: [6, 6], 3: [4, 4]}, (5, 4), ({2, None}, {2, None})),
+    ((4,), P(None, None, "sp"), {2: [7, 7, 7, 6]}, (3, 3), ({1, None}, {2, None})),  # odd
+]
+
+
+@pytest.mark.parametrize("mesh_shape,spec,sizes,k,levels", STRIDED)
+def test_a_strided_conv_on_even_shards_is_framed(monkeypatch, mesh_shape, spec, sizes, k,
+                                                 levels):
+    """A stride-2 conv whose window starts a padding's width before the shard and whose
+    shard, padded alike, gives exactly the rank's output rows (even shards) is framed
+    too; where a rank's window reaches further past its shard (odd shards), that rank
+    takes the window path, and the two pair their messages. Exact either way."""
+    mesh = spmd.Mesh(mesh_shape, ("x", "y") if len(mesh_shape) == 2 else ("sp",))
+    shape = (2, 3, sum(sizes[2]), sum(sizes[3]) if 3 in sizes else 5)
+    for mode, want in zip(("zeros", "circular"), levels):
+        seen = _levels_seen(monkeypatch)
+        run_conv(dict(n=2, mesh=mesh, lay=Layout(shape, spec, mesh, sizes), shape=shape, k=k,
+                      stride=2, dilation=1, padding=(k[0] // 2, k[1] // 2), groups=1,
+                      c_out=2, mode=mode, bias=True, by_layout=False, seed=3))
+        monkeypatch.undo()
+        assert set(seen) == want, (mode, seen)
+
+
 def test_ranks_on_the_frame_and_the_window_path_pair_their_messages():
     """An empty shard takes the window path while its peers take the frame: both
     exchange the same rows in the same order, so the results are exact."""
