@@ -265,7 +265,7 @@ class _Frame:
     level's while its weight gradient runs. The exchanges are the window path's, in its
     order, so ranks that take either path pair their messages alike. (Cutting the
     shard's conv into parts, one per level, would hide every level but cost an
-    output-sized copy: on a GPU about what it hides.)"""
+    output-sized copy and temporary; not measured on a GPU.)"""
     levels: tuple[_Level, ...]
     full: tuple  # the shard's conv: padding P along every level's dim
     window_conv: Callable  # the conv of the whole window (for a differentiable backward)
@@ -436,8 +436,6 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
         for gw_slab in gws:
             gw += gw_slab
     return gx, gw, gb
-
-
 
 
 def _framed_primal(x, fr, weight, bias):
