@@ -424,8 +424,9 @@ def test_a_conv_padding_along_several_dims_is_framed_level_by_level(
         monkeypatch, n, mesh_shape, spec, sizes, mode, groups, c_out, levels):
     """A 'same'-like conv split along two dims (or along one, with an unsplit circular
     dim fetched too) runs as one frame of two or three levels on every rank: the
-    shard's conv, each level's halo on thin slabs, corners from the later level. Values and every gradient as one device, for each padding mode, dilation,
-    groups, uneven shards and shards narrower than the halo."""
+    shard's conv, each level's halo on thin slabs, corners from the later level.
+    Values and every gradient as one device, for each padding mode, dilation, groups,
+    uneven shards and shards narrower than the halo."""
     seen = _levels_seen(monkeypatch)
     mesh = spmd.Mesh(mesh_shape, ("x", "y") if len(mesh_shape) == 2 else ("sp",))
     shape = (2, 2 * groups, *[sum(sizes[d]) if d in sizes else 5 for d in range(2, 2 + n)])
