@@ -393,7 +393,7 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
             halo(j).narrow(lv.dim, at, hi - lo).add_(gi.narrow(lv.dim, lo - w0, hi - lo))
 
     def returned(j: int, got: list) -> None:
-        """What level j's owners sent back, added where its rows lie: the earlier
+        """What level j > 0's owners sent back, added where its rows lie: the earlier
         levels' halos (corners), the rest into the shard's cotangent (kept for later).
         ``cuts``: the shard rows each later level's window holds, to narrow a target
         tensor (a halo, the shard's cotangent) to the rows that arrived."""
@@ -427,9 +427,10 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
             _, gw, gb = _conv_bwd_at(g, x, weight, bias, fr.full, [False, *needs])
         if j:
             slabs_backward(j - 1)
-        returned(j, back.pending.wait())
-        if j:
+            returned(j, back.pending.wait())
             back = transpose_async(halo(j - 1), levels[j - 1].f, apart=True)
+        else:  # the first level's arrivals land in the shard's cotangent, as any fetch's
+            gx = back.wait(owned=True, own_grad=gx)
     for dim, at, t, cuts in to_shard:
         _cut(gx, cuts).index_add_(dim, at, t)
     if gw is not None:
