@@ -1,7 +1,7 @@
 """Domain-parallel attention on gloo processes against one process.
 
     python benchmarks/attention.py [--world 2] [--seq 8192] [--heads 8] [--head-dim 64]
-        [--causal] [--steps 3] [--quick]
+        [--causal] [--steps 3] [--quick] [--only ring|neighborhood] [--split x|xy]
 
 Every process uses one thread (torch.set_num_threads(1)). One step is a forward and a
 backward (gradients of every input) from a fixed cotangent, float32, batch 1. A step
@@ -18,12 +18,14 @@ Sections (each a function returning table rows; ``main`` prints them):
   ``hidden = (t_comm + t_compute - t_total) / t_comm`` (1: all of it hidden).
   Bytes are what each rank sent per step (spmd.comm_stats), forward and backward.
 - ``neighborhood_section``: ``spmd.ops.neighborhood_attention2d``, f32[1, 128, 128, 4, 32]
-  (heads last), kernel 7, the rows split over ``world`` processes, against the same op
-  on one process (T1, ``mesh=None``): with the halo overlapped with the interior's
-  attention (the default), and with the whole window fetched first; the halo's
-  transfers alone (the key and value fetches and their transposes, no attention), the
-  share of them the overlap hides, and the bytes each rank sent against the rows it
-  needs (3 rows of k and v per neighbour and pass).
+  (heads last), kernel 7, the rows split over ``world`` processes (``--split xy``: rows
+  and columns over a 2 x world/2 mesh, two levels of halo), against the same op on one
+  process (T1, ``mesh=None``): with the halo overlapped with the attention of the
+  queries that do not need it (the default), and with the whole window fetched first;
+  the halo's transfers alone (the key and value fetches and their transposes, no
+  attention), the share of them the overlap hides, and the bytes each rank sent
+  (with ``--split x``, against the rows it needs: 3 rows of k and v per neighbour and
+  pass).
 """
 from __future__ import annotations
 
@@ -177,12 +179,12 @@ def na_single(mesh, shape, kernel, steps):
     return median_ms(step, steps, warmup=1)
 
 
-def na_per_rank(mesh, shape, kernel, steps):
+def na_per_rank(mesh, shape, kernel, steps, spec):
     """On each gloo rank, in ms: (overlapped, not overlapped, transfers alone), and the
     bytes sent forward and backward. The three variants interleave step by step, so a
     change in the machine's load hits them alike."""
     torch.set_num_threads(1)
-    lay = Layout(shape, P(None, "sp"), mesh)
+    lay = Layout(shape, spec, mesh)
     q, k, v, go = (lay.shard(t, mesh.rank).clone() for t in _qkv(shape))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     _na = importlib.import_module("spmd.ops.neighborhood_attention")
@@ -191,7 +193,7 @@ def na_per_rank(mesh, shape, kernel, steps):
                                                    "transpose_async")}
 
     def windowed(q, k, v, rpb, sp):  # the whole window fetched first, then attended
-        return _na._windowed(q, k, v, rpb, (sp.f,), sp.whole, sp.scale)
+        return _na._windowed(q, k, v, rpb, sp.fetches, sp.whole, sp.scale)
 
     def no_forward(q, kw, vw, rpb, ix, scale):
         return (q.new_zeros((*q.shape[:-1], vw.shape[-1])),
@@ -249,17 +251,26 @@ def neighborhood_section(a) -> list[tuple[str, list[str], list[list[str]]]]:
     steps = 1 if a.quick else a.steps
     shape, kernel, w = NA_SHAPE, NA_KERNEL, a.world
     t1 = spmd.launch(na_single, (1,), ("sp",), args=(shape, kernel, steps), timeout=3600)[0]
-    got = spmd.launch(na_per_rank, (w,), ("sp",), backend="gloo",
-                      args=(shape, kernel, steps), timeout=3600)
+    if a.split == "xy":
+        if w % 2 or w < 4:
+            raise SystemExit("--split xy needs an even --world of at least 4")
+        mesh_shape, names, spec = (2, w // 2), ("sx", "sy"), P(None, "sx", "sy")
+    else:
+        mesh_shape, names, spec = (w,), ("sp",), P(None, "sp")
+    got = spmd.launch(na_per_rank, mesh_shape, names, backend="gloo",
+                      args=(shape, kernel, steps, spec), timeout=3600)
     over, whole, compute, comm = (max(g[i] for g in got) for i in range(4))
     hidden = lambda t: f"{(comm + compute - t) / comm:.0%}"  # noqa: E731
     halo = kernel // 2 * shape[2] * shape[3] * shape[4] * 4 * 2  # rows x (k and v), f32
     need = " / ".join(f"{halo * (1 if r in (0, w - 1) else 2):,}" for r in range(w))
+    where = ("X" if a.split == "x" else f"X and Y ({mesh_shape[0]} x {mesh_shape[1]})")
     title = (f"neighborhood attention f32{list(shape)} (batch, X, Y, heads, head_dim), "
-             f"kernel {kernel}, X split over gloo world {w}, forward + backward, 1 thread "
+             f"kernel {kernel}, {where} split over gloo world {w}, forward + backward, 1 thread "
              f"per process (slowest rank); attention alone (no transfers): {compute:.1f} ms, "
              f"transfers alone (no attention): {comm:.1f} ms")
-    sent = " / ".join(f"{g[4]:,} + {g[5]:,}" for g in got) + f" (halo: {need} each)"
+    sent = " / ".join(f"{g[4]:,} + {g[5]:,}" for g in got)
+    if a.split == "x":
+        sent += f" (halo: {need} each)"
     rows = [
         ["one process: neighborhood_attention2d, mesh=None (T1)", f"{t1:.1f}", "1.00", "", "0"],
         [f"world {w}, halo overlapped with the interior (the default)", f"{over:.1f}",
@@ -296,6 +307,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a quarter of the sequence, 1 step")
     ap.add_argument("--only", choices=sorted(SECTIONS), help="run one section")
+    ap.add_argument("--split", choices=("x", "xy"), default="x",
+                    help="neighbourhood attention: split rows, or rows and columns")
     a = ap.parse_args()
     for name, section in SECTIONS.items():
         if a.only in (None, name):

@@ -17,11 +17,12 @@ narrower than the window, and are fetched with one all-to-all per split dim for 
 Queries never move. Backward: the local kernel's VJP, then the halo's key and value
 gradients go back to their owners (the fetch's transpose).
 
-With one split spatial dim (the common case) the halo is overlapped with compute: the
-queries whose windows lie inside the shard (the interior) attend while the halo
-travels, the edge queries once it has arrived; backward, the edges' gradients are
-computed first and travel while the interior's backward runs. With several split dims
-the window is fetched whole first (the later dims fetch the corners).
+The halo is overlapped with compute: the queries whose windows lie inside the shard
+(the interior) attend while the halo travels, the edge queries once it has arrived;
+backward, the edges' gradients are computed first and travel while the interior's
+backward runs. With several split dims the halo comes level by level (each later dim
+fetches the rows of the window padded along the earlier ones, corners included), and
+each level's queries attend while the next level's halo travels (``_Levels``).
 """
 from __future__ import annotations
 
@@ -180,14 +181,15 @@ def _na(n: int, q, k, v, kernel_size, dilation, is_causal, rpb, scale, mesh, spe
         rows, plan = dim_plan(*geo, tuple(lay.sizes[dim]))
         fetches.append(Fetch(rc, axes, me, dim, plan, 0.0, what))
         dims.append((*geo, off[dim], q.shape[dim], rows[me], len(rows[me])))
-    if len(fetches) == 1:  # the common case: the halo travels while the interior attends
-        sp = _split_plan(fetches[0], tuple(dims), q, k, v, scale)
-        return _overlapped(q, anchor(k), anchor(v), rpb, sp)
-    return _windowed(q, k, v, rpb, fetches, tuple(dims), scale)
+    if not fetches:  # nothing split along a spatial dim: nothing moves
+        return _local(q, k, v, rpb, tuple(dims), scale)
+    sp = _levels_plan(tuple(fetches), tuple(dims), q, k, v, scale)
+    return _overlapped(q, anchor(k), anchor(v), rpb, sp)
 
 
 def _windowed(q, k, v, rpb, fetches, dims, scale):
-    """The whole window fetched first, then attended (several split dims)."""
+    """The whole window fetched first, then attended (the differentiable form, for a
+    backward with grad mode on)."""
     kw, vw = k, v
     for f in fetches:  # one after the other: the later dims fetch the corners too
         kw, vw = fetch_window(anchor(kw), f), fetch_window(anchor(vw), f)
@@ -215,46 +217,62 @@ def _local(q, kw, vw, rpb, dims, scale):
     return out.view(*q.shape[:-1], vw.shape[-1])
 
 
-# -- one split dim: the halo travels while the interior attends -------------------------------
+# -- the halo travels while the queries that do not need it attend -----------------------------
 
 @dataclass(frozen=True, eq=False)
-class _Split:
-    """Attention over one split spatial dim, in parts of this rank's query rows.
+class _Levels:
+    """Attention over the split spatial dims, level by level, in blocks of this rank's
+    queries.
 
-    ``parts``: ``(r0, r1, dims, local)`` per run of query rows, in row order; ``local``
-    parts are the interior, whose windows lie inside the shard, attended from the
-    shard's own keys and values while the halo is on its way; the others (the edges)
-    from the fetched window once it has arrived. Backward: the edges first, so their
-    halo gradients travel while the interior's backward runs. ``dims``: as ``_local``'s,
-    with this part's query rows (and, for the interior, the shard as the window)."""
-    f: Fetch
-    dim: int  # the split tensor dim
-    pos: int  # where the shard starts in the window
+    Level 0 is the shard's own keys and values; level ``j`` the window fetched along the
+    first ``j`` split dims (``fetches[j - 1]`` fetches the rows of level ``j - 1``'s
+    window, corners included). Along each split dim the interior (``_interior``) is the
+    run of query rows whose windows stay in the shard. A query belongs to level ``j``,
+    the last split dim along which it is not interior (0: interior along all), so level
+    ``j``'s queries are a block per edge of dim ``j``: every row along the earlier split
+    dims, the edge's rows along dim ``j``, the interior's along the later ones. Each
+    block attends from its level's window as soon as it is there: level 0 while the
+    first halo travels, level ``j`` while the next one does. Backward runs the levels
+    the other way: level ``j``'s halo gradients travel while level ``j - 1``'s backward
+    runs. One split dim: the interior, then its two edges.
+
+    ``parts``: ``(level, cuts, dims)`` per block, level by level: ``cuts`` narrows the
+    queries (``(dim, start, length)`` per split dim), ``dims`` is ``_local``'s for the
+    block on its level's window. ``pos``: where level ``j - 1``'s window (all of its
+    rows along ``fetches[j - 1].dim``) starts in level ``j``'s."""
+    fetches: tuple[Fetch, ...]
+    pos: tuple[int, ...]
     parts: tuple
-    whole: tuple  # ``_local``'s dims for all of this rank's queries
+    whole: tuple  # ``_local``'s dims for all of this rank's queries on the whole window
     scale: float
     row_elems: int
     group: int  # query heads per key/value head (GQA)
 
 
-def _split_plan(f: Fetch, dims: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float) -> _Split:
-    i = f.dim - 1
-    L, kk, d, causal, q0, n, rows, w = dims[i]
-    a, b = _interior(L, kk, d, causal, q0, n)
+def _levels_plan(fetches: tuple[Fetch, ...], dims: tuple, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, scale: float) -> _Levels:
+    split = [f.dim - 1 for f in fetches]
+    inner = [_interior(*dims[i][:6]) for i in split]
 
-    def part(r0, r1, local):
-        dm = list(dims)
-        dm[i] = ((L, kk, d, causal, q0 + r0, r1 - r0, tuple(range(q0, q0 + n)), n) if local
-                 else (L, kk, d, causal, q0 + r0, r1 - r0, rows, w))
-        return (r0, r1, tuple(dm), local)
+    def part(level: int, runs: list[tuple[int, int]]):
+        dm, cuts = list(dims), []
+        for j, (i, (r0, r1)) in enumerate(zip(split, runs)):
+            L, kk, d, causal, q0, n, rows, w = dims[i]
+            home = j >= level  # not fetched along this dim yet: the shard is the window
+            dm[i] = (L, kk, d, causal, q0 + r0, r1 - r0,
+                     tuple(range(q0, q0 + n)) if home else rows, n if home else w)
+            cuts.append((1 + i, r0, r1 - r0))
+        return (level, tuple(cuts), tuple(dm))
 
-    parts = tuple(part(r0, r1, loc) for r0, r1, loc in ((0, a, False), (a, b, True), (b, n, False))
-                  if r1 > r0)
-    pos = f.plan[2][f.me][0]
+    parts = [part(0, inner)]
+    for j, i in enumerate(split):
+        n, (a, b) = dims[i][5], inner[j]
+        for edge in ((0, a), (b, n)):
+            parts.append(part(j + 1, [(0, dims[s][5]) for s in split[:j]] + [edge] + inner[j + 1:]))
+    parts = tuple(p for p in parts if all(c[2] for c in p[1]))
     B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
-    return _Split(f, f.dim, pos, parts, dims, scale, B * H * max(D, v.shape[-1]),
-                  H // k.shape[-2])
+    return _Levels(fetches, tuple(f.plan[2][f.me][0] for f in fetches), parts, dims, scale,
+                   B * H * max(D, v.shape[-1]), H // k.shape[-2])
 
 
 @lru_cache(maxsize=256)
@@ -283,33 +301,43 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1, -3)
 
 
-def _attend_part(q, kw, vw, rpb, sp: _Split, part) -> tuple[torch.Tensor, torch.Tensor]:
-    """One part's (output in the compute dtype, shaped as its queries; log-sum-exp)."""
-    r0, r1, dims, _ = part
-    qp = q.narrow(sp.dim, r0, r1 - r0)
+def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
+    for dim, start, length in cuts:
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def _attend_part(q, kw, vw, rpb, sp: _Levels, part) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's (output in the compute dtype, shaped as its queries; log-sum-exp)."""
+    _, cuts, dims = part
+    qp = _cut(q, cuts)
     ix = local_index(dims, q.device, sp.row_elems)
     out, lse = attend_forward(_flat(qp), _flat(kw), _flat(vw), rpb, ix, sp.scale)
     return out.view(*qp.shape[:-1], vw.shape[-1]), lse
 
 
-def _overlapped_value(q, k, v, rpb, sp: _Split):
-    """(output in the compute dtype, what arrived for k and v, the parts' log-sum-exps)."""
-    pk, pv = exchange_async(k, sp.f), exchange_async(v, sp.f)
-    cd = compute_dtype(q)
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=cd)
+def _overlapped_value(q, k, v, rpb, sp: _Levels):
+    """(output in the compute dtype, what arrived for k and v at each level, the
+    blocks' log-sum-exps)."""
+    pend = exchange_async(k, sp.fetches[0]), exchange_async(v, sp.fetches[0])
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=compute_dtype(q))
     lses: list = [None] * len(sp.parts)
-    for j, part in enumerate(sp.parts):
-        if part[3]:
-            o, lses[j] = _attend_part(q, _heads(k, sp.group), _heads(v, sp.group), rpb, sp, part)
-            out.narrow(sp.dim, part[0], part[1] - part[0]).copy_(o)
-    rk, rv = pk.wait(), pv.wait()
-    kw = _heads(assemble(k, rk, sp.f), sp.group)
-    vw = _heads(assemble(v, rv, sp.f), sp.group)
-    for j, part in enumerate(sp.parts):
-        if not part[3]:
-            o, lses[j] = _attend_part(q, kw, vw, rpb, sp, part)
-            out.narrow(sp.dim, part[0], part[1] - part[0]).copy_(o)
-    return out, rk, rv, lses
+    kw, vw, recvs = k, v, []
+    for level in range(len(sp.fetches) + 1):
+        if level:
+            f = sp.fetches[level - 1]
+            rk, rv = pend[0].wait(), pend[1].wait()
+            recvs.append((rk, rv))
+            kw, vw = assemble(kw, rk, f), assemble(vw, rv, f)
+            if level < len(sp.fetches):  # the next halo travels while this level attends
+                nxt = sp.fetches[level]
+                pend = exchange_async(kw, nxt), exchange_async(vw, nxt)
+        kh, vh = _heads(kw, sp.group), _heads(vw, sp.group)
+        for j, part in enumerate(sp.parts):
+            if part[0] == level:
+                o, lses[j] = _attend_part(q, kh, vh, rpb, sp, part)
+                _cut(out, part[1]).copy_(o)
+    return out, recvs, lses
 
 
 def _overlapped_primal(q, k, v, rpb, sp):
@@ -321,55 +349,54 @@ _overlapped = custom_vjp(_overlapped_primal, nondiff_argnums=(4,))
 
 def _overlapped_fwd(q, k, v, rpb, sp):
     with torch.no_grad():
-        out, rk, rv, lses = _overlapped_value(q, k, v, rpb, sp)
+        out, recvs, lses = _overlapped_value(q, k, v, rpb, sp)
     # k and v themselves and the halo rows, not the windows: a double backward must
     # reach k and v, and the windows' shard blocks would be copies of them
-    return out.to(q.dtype), (q, k, v, rpb, rk, rv, out, lses)
+    return out.to(q.dtype), (q, k, v, rpb, recvs, out, lses)
 
 
 def _overlapped_bwd(sp, res, g):
-    q, k, v, rpb, rk, rv, out, lses = res
+    q, k, v, rpb, recvs, out, lses = res
     if torch.is_grad_enabled():  # create_graph or torch.func: differentiable all the way
         return _plain_vjp(q, k, v, rpb, sp, g)
     # Gradients of k and v summed in the compute dtype (float32 for half inputs: the
-    # edges' and the interior's parts meet in the shard), sent in the inputs' dtype.
-    cd, G = out.dtype, sp.group
-    k, v = k.to(cd), v.to(cd)
-    kw = _heads(assemble(k, [r.to(cd) for r in rk], sp.f), G)
-    vw = _heads(assemble(v, [r.to(cd) for r in rv], sp.f), G)
-    dkw, dvw = torch.zeros_like(kw), torch.zeros_like(vw)  # per query head
+    # levels' parts meet in the shard), sent in the inputs' dtype.
+    cd, G, dt = out.dtype, sp.group, q.dtype
+    kws, vws = [k.to(cd)], [v.to(cd)]
+    for f, (rk, rv) in zip(sp.fetches, recvs):  # the windows, rebuilt level by level
+        kws.append(assemble(kws[-1], [r.to(cd) for r in rk], f))
+        vws.append(assemble(vws[-1], [r.to(cd) for r in rv], f))
+    dks, dvs = [torch.zeros_like(kws[-1])], [torch.zeros_like(vws[-1])]
+    for f, pos in zip(reversed(sp.fetches), reversed(sp.pos)):  # each level's: a view of the next's
+        n = f.plan[0][f.me]
+        dks.insert(0, dks[0].narrow(f.dim, pos, n))
+        dvs.insert(0, dvs[0].narrow(f.dim, pos, n))
     dq = torch.zeros_like(q)
     drpb = None if rpb is None else torch.zeros_like(rpb, dtype=cd)
-
-    def back(part, lse, kwin, vwin, dk, dv):
-        r0, r1, dims, _ = part
-        ix = local_index(dims, q.device, sp.row_elems)
-        qp = q.narrow(sp.dim, r0, r1 - r0)
-        got = attend_backward(_flat(qp), _flat(kwin), _flat(vwin), rpb,
-                              _flat(out.narrow(sp.dim, r0, r1 - r0)), lse,
-                              _flat(g.narrow(sp.dim, r0, r1 - r0)), ix, sp.scale)
-        dq.narrow(sp.dim, r0, r1 - r0).copy_(got[0].view(qp.shape))
-        dk += got[1].view(dk.shape)
-        dv += got[2].view(dv.shape)
-        if drpb is not None:
-            drpb.add_(got[3])
-
-    # the edges first: their halo gradients go back while the interior's backward runs
-    for part, lse in zip(sp.parts, lses):
-        if not part[3]:
-            back(part, lse, kw, vw, dkw, dvw)
-    dt = q.dtype
-    tk = transpose_async(_summed(dkw, G).to(dt), sp.f, apart=False)
-    tv = transpose_async(_summed(dvw, G).to(dt), sp.f, apart=False)
-    n = k.shape[sp.dim]
-    own_k, own_v = dkw.narrow(sp.dim, sp.pos, n), dvw.narrow(sp.dim, sp.pos, n)
-    for part, lse in zip(sp.parts, lses):
-        if part[3]:  # the shard's keys and values: the window's block, heads repeated
-            back(part, lse, kw.narrow(sp.dim, sp.pos, n), vw.narrow(sp.dim, sp.pos, n),
-                 own_k, own_v)
-    return (dq, tk.wait(owned=True, own_grad=_summed(own_k, G).to(dt)),
-            tv.wait(owned=True, own_grad=_summed(own_v, G).to(dt)),
-            None if drpb is None else drpb.to(rpb.dtype))
+    back = None
+    for level in reversed(range(len(sp.fetches) + 1)):
+        kh, vh = _heads(kws[level], G), _heads(vws[level], G)
+        for part, lse in zip(sp.parts, lses):
+            if part[0] != level:
+                continue
+            cuts, dims = part[1], part[2]
+            qp = _cut(q, cuts)
+            got = attend_backward(_flat(qp), _flat(kh), _flat(vh), rpb, _flat(_cut(out, cuts)),
+                                  lse, _flat(_cut(g, cuts)), local_index(dims, q.device, sp.row_elems),
+                                  sp.scale)
+            _cut(dq, cuts).copy_(got[0].view(qp.shape))
+            dks[level] += _summed(got[1].view(kh.shape), G)
+            dvs[level] += _summed(got[2].view(vh.shape), G)
+            if drpb is not None:
+                drpb.add_(got[3])
+        if back is not None:  # the level above's halo gradients, home: into this level's
+            back[0].wait(owned=True, own_grad=dks[level])
+            back[1].wait(owned=True, own_grad=dvs[level])
+        if level:  # this level's halo gradients travel while the level below's backward runs
+            f = sp.fetches[level - 1]
+            back = (transpose_async(dks[level].to(dt), f, apart=False),
+                    transpose_async(dvs[level].to(dt), f, apart=False))
+    return (dq, dks[0].to(dt), dvs[0].to(dt), None if drpb is None else drpb.to(rpb.dtype))
 
 
 def _plain_vjp(q, k, v, rpb, sp, g):
@@ -378,7 +405,7 @@ def _plain_vjp(q, k, v, rpb, sp, g):
     args = [a for a in (q, k, v, rpb) if a is not None]
 
     def f(q, k, v, *r):
-        return _windowed(q, k, v, r[0] if r else None, (sp.f,), sp.whole, sp.scale)
+        return _windowed(q, k, v, r[0] if r else None, sp.fetches, sp.whole, sp.scale)
 
     _, vjp = torch.func.vjp(f, *args)
     got = vjp(g)
@@ -435,8 +462,9 @@ _DOC_COMMON = """
         The local kernel's VJP (scores recomputed in chunks: it keeps q, k, v, the
         key/value rows that arrived, the output and the log-sum-exp), then the halo's
         key/value gradients go back to their owners and are added into their shards
-        (the fetch's transpose). With one split spatial dim the transfers overlap the
-        interior's attention, forward and backward. ``rpb``'s gradient is this rank's
+        (the fetch's transpose). The transfers overlap the attention of the queries
+        that do not need them (the interior, then level by level along several split
+        dims), forward and backward. ``rpb``'s gradient is this rank's
         part; shard_map's parameter rule (or ``spmd.parallel``) sums it over ranks.
         Double backward is exact too.
 

@@ -454,7 +454,7 @@ def _transposed(g: torch.Tensor, f: Fetch, got: list[torch.Tensor], owned: bool,
         gx.narrow(dim, loc, k).copy_(g.narrow(dim, pos, k))
     for r in adds:
         idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
-        gx.index_add_(dim, idx, got[r])
+        gx.index_add_(dim, idx, got[r].to(gx.dtype))  # a caller may sum in a wider dtype
     return gx
 
 

@@ -380,20 +380,18 @@ def test_the_interior_is_the_longest_run_of_queries_whose_windows_stay_home(L, k
         start += n
 
 
-def test_the_interior_attends_while_the_halo_travels_and_its_backward_while_gradients_do():
-    """The order of events on every rank: both fetches start, the interior attends, the
-    halo is awaited, the edges attend; backward, the edges' gradients first, their halo
-    parts sent, the interior's backward, then the sends awaited."""
-    mesh = spmd.Mesh((3,), ("sp",))
-    L = 24
-    lay = Layout((1, L, 2, 3), P(None, "sp"), mesh, {1: (8, 9, 7)})
-    q, k, v, _ = _qkv((1, L))
+def _events(mesh, lay, kernel):
+    """The op on ``lay`` (values checked against the reference) and, per rank, the order
+    of its fetches, transposes, waits and attention calls (``attend_* N``: a block of N
+    queries), forward then backward."""
+    n = len(lay.shape) - 3
+    q, k, v, _ = _qkv(lay.shape[:1 + n])
     log: dict[int, list] = {}
     real = {n: getattr(_na, n) for n in ("exchange_async", "transpose_async", "attend_forward",
                                          "attend_backward")}
 
     def note(what):
-        log.setdefault(spmd.axis_index("sp"), []).append(what)
+        log.setdefault(mesh.rank, []).append(what)
 
     class Waited:
         def __init__(self, pending, what):
@@ -417,13 +415,22 @@ def test_the_interior_attends_while_the_halo_travels_and_its_backward_while_grad
                        ("attend_forward", "attend"), ("attend_backward", "attend")):
         setattr(_na, name, patched(name, what))
     try:
-        f = lambda q, k, v: neighborhood_attention1d(q, k, v, 5, mesh=mesh, spec=lay)  # noqa: E731
+        f = lambda q, k, v: OPS[n](q, k, v, kernel, mesh=mesh, spec=lay)  # noqa: E731
         y = spmd.shard_map(f, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
         y.square().sum().backward()
     finally:
         for name, fn in real.items():
             setattr(_na, name, fn)
-    torch.testing.assert_close(y, neighborhood_attention_reference(q, k, v, 5), **TOL)
+    torch.testing.assert_close(y, neighborhood_attention_reference(q, k, v, kernel), **TOL)
+    return log
+
+
+def test_the_interior_attends_while_the_halo_travels_and_its_backward_while_gradients_do():
+    """The order of events on every rank: both fetches start, the interior attends, the
+    halo is awaited, the edges attend; backward, the edges' gradients first, their halo
+    parts sent, the interior's backward, then the sends awaited."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    log = _events(mesh, Layout((1, 24, 2, 3), P(None, "sp"), mesh, {1: (8, 9, 7)}), 5)
     # rank 1, rows [8, 17): 2 rows at each edge read the halo, 5 in between do not
     assert log[1] == ["start fetch", "start fetch", "attend_forward 5", "wait fetch", "wait fetch",
                       "attend_forward 2", "attend_forward 2",
@@ -433,6 +440,98 @@ def test_the_interior_attends_while_the_halo_travels_and_its_backward_while_grad
     assert log[0] == ["start fetch", "start fetch", "attend_forward 6", "wait fetch", "wait fetch",
                       "attend_forward 2", "attend_backward 2", "start transpose",
                       "start transpose", "attend_backward 6", "wait transpose", "wait transpose"]
+
+
+def test_two_split_dims_attend_level_by_level_while_each_halo_travels():
+    """Two split dims: the interior attends while the first halo (along x) travels; the
+    x-edges whose windows stay home along y attend while the second (along y, from the
+    x-padded window: corners included) travels; then the y-edges, every row. Backward
+    the other way round: each level's gradients travel while the level below's
+    backward runs."""
+    mesh = spmd.Mesh((2, 3), ("x", "y"))
+    log = _events(mesh, Layout((1, 14, 21, 2, 3), P(None, "x", "y"), mesh), 5)
+    fetches = ["start fetch"] * 2
+    waits = lambda what: [f"wait {what}"] * 2  # noqa: E731 - for k and v
+    # the middle rank of y holds rows [7, 14) x cols [7, 14): an x-edge of 2 rows at the
+    # top, y-edges of 2 cols on both sides
+    assert log[mesh.rank_of((1, 1))] == [
+        *fetches, "attend_forward 15", *waits("fetch"), *fetches, "attend_forward 6",
+        *waits("fetch"), "attend_forward 14", "attend_forward 14",
+        "attend_backward 14", "attend_backward 14", "start transpose", "start transpose",
+        "attend_backward 6", *waits("transpose"), "start transpose", "start transpose",
+        "attend_backward 15", *waits("transpose")]
+    # rank (0, 0): the domain's corner, halos only after its last row and column
+    assert log[0] == [
+        *fetches, "attend_forward 25", *waits("fetch"), *fetches, "attend_forward 10",
+        *waits("fetch"), "attend_forward 14",
+        "attend_backward 14", "start transpose", "start transpose", "attend_backward 10",
+        *waits("transpose"), "start transpose", "start transpose", "attend_backward 25",
+        *waits("transpose")]
+
+
+@pytest.mark.parametrize("spatial,kernel,dilation,causal,mesh_shape,sizes", [
+    ((9, 8), (5, 3), (1, 2), (False, True), (2, 3), {1: (3, 6), 2: (1, 0, 7)}),
+    ((20, 11), (3, 5), (2, 1), (True, False), (3, 2), {1: (12, 2, 6), 2: (6, 5)}),
+    ((7, 9, 8), (3, 3, 5), (1, 2, 1), (False, False, True), (2, 2, 2), None),
+])
+def test_the_levels_blocks_cover_every_query_once(spatial, kernel, dilation, causal, mesh_shape,
+                                                  sizes):
+    """The blocks of every rank partition its queries; level 0 is the interior along
+    every split dim, and there are at most 1 + 2 x (split dims) of them."""
+    names = ("x", "y", "z")[:len(mesh_shape)]
+    mesh = spmd.Mesh(mesh_shape, names)
+    lay = Layout((1, *spatial, 1, 2), P(None, *names), mesh, sizes)
+    for rank in range(mesh.size):
+        dims = []
+        fetches = []
+        off, shp = lay.offsets(rank), lay.local_shape(rank)
+        for i in range(len(spatial)):
+            geo = (spatial[i], kernel[i], dilation[i], causal[i])
+            rows, plan = _na.dim_plan(*geo, tuple(lay.sizes[1 + i]))
+            me = mesh.coords(rank)[i]
+            fetches.append(_na.Fetch(None, (names[i],), me, 1 + i, plan, 0.0, "t"))
+            dims.append((*geo, off[1 + i], shp[1 + i], rows[me], len(rows[me])))
+        q = torch.zeros(shp)
+        sp = _na._levels_plan(tuple(fetches), tuple(dims), q, q, q, 1.0)
+        seen = torch.zeros(shp[1:-2], dtype=torch.long)
+        for level, cuts, _ in sp.parts:
+            block = seen
+            for d, r0, n in cuts:
+                block = block.narrow(d - 1, r0, n)
+            block += 1
+            if level == 0:
+                assert [c[1:] for c in cuts] == [
+                    (a, b - a) for a, b in (_na._interior(*dm[:6]) for dm in dims)]
+        assert bool((seen == 1).all()), (rank, seen)
+        assert len(sp.parts) <= 1 + 2 * len(spatial)
+
+
+def test_two_split_dims_save_k_v_the_halo_rows_of_each_level_the_output_and_lse_only():
+    """With two split dims autograd keeps what it keeps with one: q, k, v, the key and
+    value rows that arrived (at the second level, the corners with them), the output
+    and the log-sum-exp; no window."""
+    from spmd.testing.memory import SavedBytes
+    mesh = spmd.Mesh((2, 3), ("x", "y"))
+    B, H, D, kk = 2, 2, 4, (3, 5)
+    lay = Layout((B, 10, 13, H, D), P(None, "x", "y"), mesh, {1: (4, 6), 2: (5, 1, 7)})
+    q, k, v, _ = _qkv((B, 10, 13), H, D)
+    got = {}
+
+    def body(q, k, v):
+        with SavedBytes(skip=(q, k, v)) as saved:
+            y = neighborhood_attention2d(q, k, v, kk, mesh=mesh, spec=lay)
+        got[mesh.rank] = saved.total
+        return y
+
+    spmd.shard_map(body, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
+    w0 = needed_rows(10, kk[0], 1, False, lay.sizes[1])
+    w1 = needed_rows(13, kk[1], 1, False, lay.sizes[2])
+    for r in range(mesh.size):
+        a, b = mesh.coords(r)
+        n0, n1 = lay.sizes[1][a], lay.sizes[2][b]
+        halo_tokens = w0[a][0] * w1[b][0] - n0 * n1
+        want = 2 * B * halo_tokens * H * D * 8 + B * n0 * n1 * H * D * 8 + B * n0 * n1 * H * 8
+        assert got[r] == want, (r, got[r], want)
 
 
 @pytest.mark.parametrize("sizes", [(8, 9, 7), (12, 0, 12), (2, 20, 2)])
@@ -472,13 +571,19 @@ def test_float32_and_bfloat16_follow_the_float64_reference():
         torch.testing.assert_close(got.to(F64), want, rtol=tol, atol=tol)
 
 
-def test_float32_and_bfloat16_on_a_split_dim_follow_the_float64_reference():
+@pytest.mark.parametrize("split", ["rows", "rows_and_cols"])
+def test_float32_and_bfloat16_on_split_dims_follow_the_float64_reference(split):
     """The overlapped op in half precision: scores, softmax and the gradients of k and v
-    (where the edges' and the interior's parts meet) in float32, rounded once. The
-    tolerances are those of one bfloat16 rounding (8 bits: 2^-8 relative) of values and
-    gradients of order 1, and float32's accumulated over 9 x 5 window slots."""
-    mesh = spmd.Mesh((3,), ("sp",))
-    lay = Layout((2, 17, 8, 2, 3), P(None, "sp"), mesh, {1: (7, 4, 6)})
+    (where the levels' parts meet, and what comes back from the neighbours is added) in
+    float32, rounded once. The tolerances are those of one bfloat16 rounding (8 bits:
+    2^-8 relative) of values and gradients of order 1, and float32's accumulated over
+    9 x 5 window slots."""
+    if split == "rows":
+        mesh = spmd.Mesh((3,), ("sp",))
+        lay = Layout((2, 17, 8, 2, 3), P(None, "sp"), mesh, {1: (7, 4, 6)})
+    else:
+        mesh = spmd.Mesh((2, 2), ("x", "y"))
+        lay = Layout((2, 17, 8, 2, 3), P(None, "x", "y"), mesh, {1: (11, 6), 2: (3, 5)})
     q, k, v, rpb = _qkv((2, 17, 8), rpb_ks=(3, 5))
     go = torch.randn(q.shape, dtype=F64, generator=torch.Generator().manual_seed(3))
     args = [t.clone().requires_grad_() for t in (q, k, v)]
