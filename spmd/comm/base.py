@@ -14,6 +14,7 @@ import torch
 
 from ..core.errors import CommError, SpecError
 from ..core.mesh import Group
+from .stats import waited
 
 __all__ = ["Comm", "Work", "REDUCE_OPS"]
 
@@ -31,21 +32,25 @@ class Work(Protocol):
 
 
 class Pending:
-    """A collective in flight: ``wait()`` finishes it (once) and returns its result."""
+    """A collective in flight: ``wait()`` finishes it (once) and returns its result.
+    ``token``: ``comm_stats``' (``count``'s return), told when the wait starts."""
 
-    __slots__ = ("finish", "result")
+    __slots__ = ("finish", "result", "token")
 
-    def __init__(self, finish):
-        self.finish, self.result = finish, None
+    def __init__(self, finish, token: list | None = None):
+        self.finish, self.result, self.token = finish, None, token
 
     @classmethod
-    def done(cls, result) -> Pending:
+    def done(cls, result, token: list | None = None) -> Pending:
         """One that finished at its start (a group of one, nothing to send)."""
-        p = cls(None)
+        p = cls(None, token)
         p.result = result
         return p
 
     def wait(self):
+        if self.token is not None:
+            token, self.token = self.token, None
+            waited(token)
         if self.finish is not None:
             finish, self.finish = self.finish, None
             self.result = finish()

@@ -454,14 +454,14 @@ class TorchComm:
         return self._all_to_all(chunks, group, name, shapes, wait=False)
 
     def _all_to_all(self, chunks, group, name, shapes, wait):
-        count("all_to_all", name, group, chunks=chunks)
+        token = count("all_to_all", name, group, chunks=chunks)
         n = group.size
         if len(chunks) != n:
             raise CommError(f"{name}: rank {group.rank} passed {len(chunks)} chunks for a "
                             f"group of {n}")
         if n == 1:
             out = [_copy(chunks[0])]
-            return out if wait else Pending.done(out)
+            return out if wait else Pending.done(out, token)
         rec = self._rec(group)
         seq = self._enter(rec)
         if self.validate:
@@ -507,7 +507,7 @@ class TorchComm:
                     seg = seg.clone()
                 res.append(seg.view(dt).view(r[3:3 + r[1]]))
             return res
-        return finish() if wait else Pending(finish)
+        return finish() if wait else Pending(finish, token)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index

@@ -6,6 +6,7 @@ open), so tests can prove that a halo moves only halo bytes, in forward and back
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,6 +50,12 @@ class CommStats:
     ``permute``, ``broadcast``, ``barrier``), ``peers`` the number of other ranks this
     rank sends a non-empty payload to, ``payload`` the bytes it passes in (its tensor,
     or all its blocks): what a cost model needs beyond the bytes sent."""
+    times: list[list[float | None]] = field(default_factory=list)
+    """Parallel to ``records``: ``[start, waited]``, ``time.perf_counter()`` when the
+    call was made and, for an asynchronous all-to-all (a halo on its way while compute
+    runs), when its result was first waited for (None until then, and for calls that
+    block; a blocking all-to-all on threads is its asynchronous form waited for at
+    once): the compute a transfer can hide behind, for ``spmd.perf``."""
 
     def calls(self, op: str | None = None, *, axes: tuple[str, ...] | str | None = None,
               pass_: str | None = None, rank: int | None = None) -> int:
@@ -104,11 +111,13 @@ def comm_stats() -> Iterator[CommStats]:
         yield stats
 
 
-def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=None) -> None:
+def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None,
+          src=None) -> list | None:
     """Called by both comm backends at every collective (cheap when nothing is open):
-    the rules for what a rank sends, in one place."""
+    the rules for what a rank sends, in one place. Returns the token ``waited`` takes
+    (None when nothing is open)."""
     if not _open:
-        return
+        return None
     n, me = group.size, group.index
     payload = 0 if x is None else x.nbytes
     peers = n - 1
@@ -134,11 +143,23 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None, src=N
     rec = (name, group.axes, group.rank, "backward" if getattr(_local, "backward", 0) else "forward",
            int(nbytes))
     det = (kind, n, peers if n > 1 else 0, int(payload))
+    start, token = time.perf_counter(), []
 
     def add(s: CommStats) -> None:
         s.records.append(rec)
         s.details.append(det)
+        s.times.append([start, None])
+        token.append(s.times[-1])
     _open.each(add)
+    return token
+
+
+def waited(token: list | None) -> None:
+    """An asynchronous collective counted with ``token`` is being waited for now."""
+    if token:
+        t = time.perf_counter()
+        for entry in token:
+            entry[1] = t
 
 
 class in_backward:

@@ -243,7 +243,8 @@ class ThreadComm:
 
     def all_to_all_async(self, chunks, group, *, name, shapes=None):
         # Deposits and returns: only wait() blocks (bounded by the timeout).
-        count("all_to_all", name, group, chunks=chunks)
+        token = count("all_to_all", name, group, chunks=chunks)
+
         def combine(cs):
             _same_len(cs, group, name)
             dts = {c.dtype for chunk_list in cs for c in chunk_list}
@@ -270,7 +271,7 @@ class ThreadComm:
                                 f"{[list(s) for s in shapes]} but got "
                                 f"{[list(t.shape) for t in got]}")
             return got
-        return Pending(finish)
+        return Pending(finish, token)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
         n, me = group.size, group.index

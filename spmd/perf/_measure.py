@@ -282,11 +282,82 @@ def _kept(p: torch.Tensor) -> torch.Tensor | None:
 
 
 
+@dataclass(frozen=True)
+class Event:
+    """Where one collective of a step lies in the compute of a rank, timed on a mesh of
+    one rank (where collectives cost nothing): ``start`` and ``wait`` are fractions of
+    its pass (``pass_``, forward or backward) elapsed when it was started and when its
+    result was first waited for (equal for a blocking call; later for a halo that
+    travels while compute runs). ``ordinal``: its rank among the step's collectives of
+    the same name, kind and pass (what matches it to a collective of another mesh)."""
+
+    name: str
+    kind: str
+    pass_: str
+    ordinal: int
+    start: float
+    wait: float
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.name, self.kind, self.pass_, self.ordinal)
+
+
+def ordinals(keys: Sequence[tuple]) -> list[int]:
+    """Each key's count among the keys before it: what matches a step's collectives
+    between meshes (``Event.ordinal``).
+
+    Example:
+        >>> ordinals(["a", "b", "a", "a"])
+        [0, 0, 1, 2]
+    """
+    seen: dict = {}
+    out = []
+    for k in keys:
+        seen[k] = seen.get(k, -1) + 1
+        out.append(seen[k])
+    return out
+
+
+def _frac(t: float, span: tuple[float, float]) -> float:
+    t0, t1 = span
+    return min(max((t - t0) / (t1 - t0), 0.0), 1.0) if t1 > t0 else 0.0
+
+
+def _events(st, spans: dict[str, tuple[float, float]]) -> list[tuple]:
+    """One timed step's ``(name, kind, pass, start, wait)``, as fractions of each pass."""
+    out = []
+    for (name, _, _, pass_, _), (kind, n, _, _), (t_s, t_w) in zip(st.records, st.details,
+                                                                 st.times):
+        if kind == "barrier" and n == 1:
+            continue
+        span = spans[pass_]
+        out.append((name, kind, pass_, _frac(t_s, span),
+                    _frac(t_s if t_w is None else t_w, span)))
+    return out
+
+
+def _median_events(steps: list[list[tuple]]) -> tuple[Event, ...] | None:
+    """The steps' events with the median fractions; None if the steps' collectives
+    differ (then nothing is assumed hidden)."""
+    if not steps or any([e[:3] for e in s] != [e[:3] for e in steps[0]] for s in steps):
+        return None
+    out = []
+    keys = [e[:3] for e in steps[0]]
+    for j, ((name, kind, pass_), k) in enumerate(zip(keys, ordinals(keys))):
+        start = statistics.median(s[j][3] for s in steps)
+        out.append(Event(name, kind, pass_, k, start,
+                         max(start, statistics.median(s[j][4] for s in steps))))
+    return tuple(out)
+
+
 def time_compute(setup: Setup, names: tuple[str, ...], args: tuple, device: torch.device | None,
-                 repeats: int, warmup: int, stat: str = "median") -> tuple[float, float]:
+                 repeats: int, warmup: int, stat: str = "median"
+                 ) -> tuple[float, float, tuple[Event, ...] | None]:
     """(forward, backward) seconds of the body on a mesh of one rank (every group of one:
     no communication): ``repeats`` steps after ``warmup``, each timed in two parts,
-    the median (or the minimum: ``stat="min"``, steadier on a loaded machine) of each."""
+    the median (or the minimum: ``stat="min"``, steadier on a loaded machine) of each;
+    and where each collective lies in that compute (``Event``s, median fractions)."""
     mesh = Mesh((1,) * len(names), names, backend="threads", device=device)
     body, params = setup.body_for(mesh)
     f = shard_map(body, mesh, setup.in_specs, setup.out_specs, params=params)
@@ -296,6 +367,7 @@ def time_compute(setup: Setup, names: tuple[str, ...], args: tuple, device: torc
     pick = statistics.median if stat == "median" else min
     fwd: list[float] = []
     bwd: list[float] = []
+    events: list[list[tuple]] = []
     step_grads = None
     grads = [(p, _kept(p)) for p in (params if params is not None else setup.found)]
     try:
@@ -304,28 +376,32 @@ def time_compute(setup: Setup, names: tuple[str, ...], args: tuple, device: torc
         for _ in range(repeats):
             a = copy_args(args)
             sync()
-            t0 = time.perf_counter()
-            if not setup.backward:
-                with torch.no_grad():
-                    f(*a)
+            with comm_stats() as st:
+                t0 = time.perf_counter()
+                if not setup.backward:
+                    with torch.no_grad():
+                        f(*a)
+                    sync()
+                    fwd.append(time.perf_counter() - t0)
+                    events.append(_events(st, {"forward": (t0, t0 + fwd[-1])}))
+                    continue
+                out = f(*a)
                 sync()
-                fwd.append(time.perf_counter() - t0)
-                continue
-            out = f(*a)
-            sync()
-            t1 = time.perf_counter()
-            fwd.append(t1 - t0)
-            outs = _diff_outputs(out)
-            if step_grads is None:
-                step_grads = _cotangents(outs, setup.seed)
-                t1 = time.perf_counter()  # the cotangent is not the body's work
-            torch.autograd.backward(outs, step_grads)
-            sync()
-            bwd.append(time.perf_counter() - t1)
+                t1 = time.perf_counter()
+                fwd.append(t1 - t0)
+                outs = _diff_outputs(out)
+                if step_grads is None:
+                    step_grads = _cotangents(outs, setup.seed)
+                    t1 = time.perf_counter()  # the cotangent is not the body's work
+                torch.autograd.backward(outs, step_grads)
+                sync()
+                bwd.append(time.perf_counter() - t1)
+            events.append(_events(st, {"forward": (t0, t0 + fwd[-1]),
+                                       "backward": (t1, t1 + bwd[-1])}))
     finally:
         for p, gr in grads:  # the caller's parameters keep the gradients they had
             p.grad = gr
-    return pick(fwd), (pick(bwd) if bwd else 0.0)
+    return pick(fwd), (pick(bwd) if bwd else 0.0), _median_events(events)
 
 
 def shrink(shapes: list[tuple[int, ...]], limit: int, split: Sequence[bool],

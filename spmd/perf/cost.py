@@ -174,14 +174,17 @@ class Estimate:
           (3 ranks give a rank neighbours on both sides: the interior rank's halos,
           exactly), each priced by ``collective_time`` at the target's group sizes; where
           that mesh would exceed ``max_elements``, measured at a smaller shape and halo
-          bytes scaled by face area (all-gathers by volume, reductions unchanged). Not
-          hidden behind compute.
+          bytes scaled by face area (all-gathers by volume, reductions unchanged). A
+          halo hides behind the compute between its start and its wait, placed as on
+          the 1-rank run (the busiest rank's transfers one after the other; a blocking
+          collective hides nothing): ``Prediction.comm_s`` is what is left exposed,
+          ``hidden_s`` the rest.
         - gradient sync of the replicated parameters over all ``ranks``: ``"end"`` (one
           all-reduce per dtype after backward plus shard_map's 32-byte check, as
           ``shard_map`` does on processes: spmd.demo's training), ``"overlap"``
           (GradSync's buckets, 1 MiB then 25 MiB, hidden behind backward except the last
           bucket), or ``"none"``.
-        - step = forward + backward + communication + exposed gradient sync.
+        - step = forward + backward + exposed communication + exposed gradient sync.
         - efficiency: strong ``T1 / (ranks x step)``, ``T1`` the whole problem's compute
           on one device (measured if it fits ``max_elements``, else the local compute
           times the volume ratio: work linear in volume, ``ranks x compute(local)`` for
@@ -242,6 +245,14 @@ class Estimate:
         return self.axis_names
 
     def _time(self, shapes: list[tuple[int, ...]]) -> tuple[float, float]:
+        """(forward, backward) seconds of one rank's shard of ``shapes``."""
+        return self._timed(shapes)[:2]
+
+    def _events(self, shapes: list[tuple[int, ...]]) -> tuple[_measure.Event, ...] | None:
+        """Where the collectives lie in that compute (``_measure.Event``)."""
+        return self._timed(shapes)[2]
+
+    def _timed(self, shapes: list[tuple[int, ...]]) -> tuple:
         key = ("compute", tuple(shapes))
         if key not in self._cache:
             args = self._setup.args_of(shapes)

@@ -3,7 +3,8 @@
 The model, kept simple so that every number can be checked by hand:
 
     step  = forward + backward                  one rank's shard, timed here
-          + sum of the busiest rank's collectives, each latency + bytes / bandwidth
+          + the busiest rank's collectives, each latency + bytes / bandwidth, less
+            what hides behind its compute (a halo on its way while a conv's interior runs)
           + the gradient all-reduce not hidden behind backward
 
 - Compute is measured at the target's local shape on a mesh of one rank (a rank with
@@ -15,7 +16,13 @@ The model, kept simple so that every number can be checked by hand:
   the target's. Past ``max_elements``, measured at a smaller shape and scaled: halo
   exchanges (all-to-all, permute) by face area (the local volume over the split dims'
   sizes), all-gathers and reduce-scatters by volume, reductions and broadcasts not.
-- Nothing of the halo is assumed hidden: spmd's ops wait for their halo before computing.
+- Overlap: a collective hides behind the compute that runs between its start and its
+  wait on a rank (a halo exchange behind a convolution's interior), as measured on the
+  one-rank mesh (``_measure.Event``: where each collective starts and is waited for, as
+  fractions of its pass), scaled with the compute. A rank's transfers go one after the
+  other in the order started; a wait stalls the rank until its transfer is done. A
+  blocking collective hides nothing. A collective the one-rank run does not have (by
+  name, kind, pass and ordinal) is not hidden.
 - Gradient sync: see ``Estimate.predict``.
 """
 from __future__ import annotations
@@ -52,7 +59,8 @@ class Prediction:
         ranks, mesh_shape, scaling, network: the target and the network's name.
         global_shapes, local_shapes: the tensor arguments, whole and on the largest rank.
         forward_s, backward_s: compute of one rank's shard.
-        comm_s: the busiest rank's collectives (halos, reductions), not hidden.
+        comm_s: the busiest rank's collectives (halos, reductions) not hidden behind
+            its compute.
         grad_sync_s: the part of the gradient all-reduce not hidden behind backward.
         step_s: the sum of the above.
         serial_s: strong: the whole problem's compute on one device; weak: one rank's.
@@ -61,6 +69,7 @@ class Prediction:
         grad_bytes: the gradients all-reduced per step.
         memory_bytes: the busiest rank's saved-for-backward plus output bytes.
         notes: what was measured and what was scaled.
+        hidden_s: the busiest rank's collective time hidden behind its compute.
 
     Example:
         >>> p = Prediction(8, (8,), "strong", "toy", ((64,),), ((8,),), 1e-3, 2e-3, 1e-3,
@@ -86,6 +95,7 @@ class Prediction:
     grad_bytes: int
     memory_bytes: int
     notes: tuple[str, ...]
+    hidden_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -95,7 +105,8 @@ class Prediction:
     def __repr__(self) -> str:
         return (f"Prediction({self.ranks} ranks ({'x'.join(map(str, self.mesh_shape))}), "
                 f"{self.scaling}, {self.network}: step {_ms(self.step_s)} = compute "
-                f"{_ms(self.compute_s)} + comm {_ms(self.comm_s)} + grad sync "
+                f"{_ms(self.compute_s)} + comm {_ms(self.comm_s)}"
+                f"{f' ({_ms(self.hidden_s)} more hidden)' if self.hidden_s else ''} + grad sync "
                 f"{_ms(self.grad_sync_s)}; efficiency {100 * self.efficiency:.1f}%)")
 
 
@@ -110,15 +121,16 @@ def format_predictions(preds: Sequence[Prediction]) -> str:
         >>> p = Prediction(8, (8,), "strong", "toy", ((64,),), ((8,),), 1e-3, 2e-3, 1e-3,
         ...                0.0, 4e-3, 24e-3, 0.75, 64, 0, 0, ())
         >>> print(format_predictions([p]).splitlines()[2])
-        | 8 | 8 | [8] | 3 | 1 | 0 | 4 | 75.0 | 64 | 0 |
+        | 8 | 8 | [8] | 3 | 1 | 0 | 0 | 4 | 75.0 | 64 | 0 |
     """
-    head = ("| ranks | mesh | local | compute ms | comm ms | grad sync ms | step ms | "
-            "efficiency % | comm B/step | activations MiB |")
-    rows = [head, "|" + "---:|" * 10]
+    head = ("| ranks | mesh | local | compute ms | comm ms | comm hidden ms | grad sync ms | "
+            "step ms | efficiency % | comm B/step | activations MiB |")
+    rows = [head, "|" + "---:|" * 11]
     for p in preds:
         local = ", ".join(shape_str(s) for s in p.local_shapes)
         rows.append(f"| {p.ranks} | {'x'.join(map(str, p.mesh_shape))} | {local} | "
-                    f"{p.compute_s * 1e3:.4g} | {p.comm_s * 1e3:.4g} | {p.grad_sync_s * 1e3:.4g} | "
+                    f"{p.compute_s * 1e3:.4g} | {p.comm_s * 1e3:.4g} | {p.hidden_s * 1e3:.4g} | "
+                    f"{p.grad_sync_s * 1e3:.4g} | "
                     f"{p.step_s * 1e3:.4g} | {100 * p.efficiency:.1f} | {p.comm_bytes:,} | "
                     f"{p.memory_bytes / MiB:.4g} |")
     return "\n".join(rows)
@@ -179,22 +191,56 @@ def _shapes(given: Any, default: Sequence[tuple[int, ...]], what: str) -> list[t
 
 
 def _compute(est: Estimate, shapes: list[tuple[int, ...]], limit: int,
-             split: list[bool]) -> tuple[float, float, str]:
+             split: list[bool]) -> tuple[float, float, str, tuple | None]:
+    """(forward, backward, how they were got, where the collectives lie in them)."""
     vol = _measure.volume(shapes, split)
     where = ", ".join(shape_str(s) for s in shapes)
     if vol <= limit:
         f, b = est._time(shapes)
-        return f, b, f"compute measured at {where}"
+        return f, b, f"compute measured at {where}", est._events(shapes)
     ref = _measure.shrink(shapes, limit, split)
     f, b = est._time(ref)
     k = vol / _measure.volume(ref, split)
     return (f * k, b * k, f"compute at {where} scaled by volume (x{k:.4g}) from "
-            f"{', '.join(shape_str(s) for s in ref)} (measured): work assumed linear in volume")
+            f"{', '.join(shape_str(s) for s in ref)} (measured): work assumed linear in volume",
+            est._events(ref))
+
+
+def exposed(times: Sequence[float], events: Sequence[_measure.Event | None], forward_s: float,
+            backward_s: float) -> float:
+    """Seconds a rank stalls in its collectives: ``times[j]`` each takes, ``events[j]``
+    where it starts and is waited for in the compute (None: blocking, at no known place:
+    all of it exposed). Transfers go one after the other in the order started.
+
+    Example:
+        >>> from spmd.perf._measure import Event
+        >>> halo = Event("conv2d", "all_to_all", "forward", 0, 0.0, 0.5)  # waited mid-forward
+        >>> exposed([0.3], [halo], 1.0, 1.0), exposed([0.8], [halo], 1.0, 1.0)
+        (0.0, 0.30000000000000004)
+    """
+    stall, free = 0.0, 0.0
+    marks = []  # (compute seconds, 0 start / 1 wait, j)
+    for j, e in enumerate(events):
+        if e is None:
+            stall += times[j]
+            continue
+        off, span = (0.0, forward_s) if e.pass_ == "forward" else (forward_s, backward_s)
+        marks += [(off + e.start * span, 0, j), (off + e.wait * span, 1, j)]
+    done = {}
+    for at, what, j in sorted(marks):
+        now = at + stall
+        if what == 0:
+            free = done[j] = max(now, free) + times[j]
+        elif done[j] > now:
+            stall += done[j] - now
+    return stall
 
 
 def _comm(est: Estimate, local: list[tuple[int, ...]], target: tuple[int, ...], network: Network,
-          limit: int, split: list[bool]) -> tuple[float, int, int, str]:
-    """(seconds, bytes sent, activation bytes) of the busiest rank, and how they were got."""
+          limit: int, split: list[bool], events: tuple | None, forward_s: float,
+          backward_s: float) -> tuple[float, float, int, int, str]:
+    """(exposed seconds, hidden seconds, bytes sent, activation bytes) of the busiest
+    rank (the one that stalls longest), and how they were got."""
     setup, names = est._setup, est.axis_names
     small = tuple(min(t, 3) for t in target)
     ref = local
@@ -203,27 +249,38 @@ def _comm(est: Estimate, local: list[tuple[int, ...]], target: tuple[int, ...], 
     run = est._run(small, _grow(setup, ref, small, names))
     size = dict(zip(names, target))
     scaled = ref != local
-    best = (-1.0, 0, 0)
-    for rank, cs in run.comm.items():
-        t, nbytes = 0.0, 0
-        for c in cs:
+    where = {e.key: e for e in events or ()}
+    best = (-1.0, 0.0, 0)
+    unmatched = 0
+    for cs in run.comm.values():
+        times, evs, nbytes = [], [], 0
+        for c, k in zip(cs, _measure.ordinals([(c.name, c.kind, c.pass_) for c in cs])):
+            evs.append(where.get((c.name, c.kind, c.pass_, k)))
             if scaled:
                 c = _scale(c, setup, local, ref, split)
-            t += c.time(network, math.prod(size[a] for a in c.axes))
+            times.append(c.time(network, math.prod(size[a] for a in c.axes)))
             nbytes += c.nbytes
-        mem = run.saved.get(rank, 0) + run.outputs.get(rank, 0)
-        if (t, nbytes) > best[:2]:
-            best = (t, nbytes, mem)
-    t, nbytes, _ = best
+        t = exposed(times, evs, forward_s, backward_s)
+        if (t, nbytes) > (best[0], best[2]):
+            best = (t, sum(times) - t, nbytes)
+            unmatched = sum(e is None for e in evs)
+    t, hidden, nbytes = best
     mem = max((run.saved.get(r, 0) + run.outputs.get(r, 0) for r in run.comm), default=0)
     mesh = "x".join(map(str, small))
+    if events is None:
+        how = "nothing hidden: the one-rank run's collectives differed from step to step"
+    elif unmatched:
+        how = f"overlap as on the one-rank run; {unmatched} collective(s) it lacks not hidden"
+    else:
+        how = "overlap as on the one-rank run"
     if not scaled:
-        return t, nbytes, mem, f"collectives measured on a {mesh} threads mesh at the local shape"
+        return (t, hidden, nbytes, mem,
+                f"collectives measured on a {mesh} threads mesh at the local shape; {how}")
     k = _measure.volume(local, split) / _measure.volume(ref, split)
-    return (t, nbytes, int(mem * k),
+    return (t, hidden, nbytes, int(mem * k),
             f"collectives measured on a {mesh} threads mesh at local "
             f"{', '.join(shape_str(s) for s in ref)}, halo bytes scaled by face area, memory "
-            f"by volume")
+            f"by volume; {how}")
 
 
 def _scale(c: _measure.Collective, setup: _measure.Setup, local: list, ref: list,
@@ -327,15 +384,16 @@ def predict(est: Estimate, ranks: int | None, *, network: Network, scaling: str 
                              f"{shape_str(lay.shape)} leaves some ranks an empty shard (dim "
                              f"{empty[0]} over {lay.axis_size(lay.dim_axes(empty[0]))} ranks); "
                              f"use fewer ranks or a larger problem")
-    f, b, how_c = _compute(est, local, max_elements, split)
+    f, b, how_c, events = _compute(est, local, max_elements, split)
     f, b = f / compute_scale, b / compute_scale
-    comm_s, comm_bytes, mem, how_m = _comm(est, local, target, network, max_elements, split)
+    comm_s, hidden_s, comm_bytes, mem, how_m = _comm(est, local, target, network, max_elements,
+                                                     split, events, f, b)
     gs, gbytes, how_g = _grad_sync(est, n, network, grad_sync, b)
     step_s = f + b + comm_s + gs
     if scaling == "strong":
         vol_g = _measure.volume(glob, split)
         if vol_g <= max_elements:
-            sf, sb, how_s = _compute(est, glob, max_elements, split)
+            sf, sb, how_s, _ = _compute(est, glob, max_elements, split)
             serial = (sf + sb) / compute_scale
             how_s = "one device: " + how_s
         else:  # the local compute, scaled: the same rate, so efficiency stays <= 100%
@@ -351,4 +409,4 @@ def predict(est: Estimate, ranks: int | None, *, network: Network, scaling: str 
     if compute_scale != 1:
         notes.append(f"compute divided by {compute_scale:g}")
     return Prediction(n, target, scaling, network.name, tuple(glob), tuple(local), f, b, comm_s,
-                      gs, step_s, serial, eff, comm_bytes, gbytes, mem, tuple(notes))
+                      gs, step_s, serial, eff, comm_bytes, gbytes, mem, tuple(notes), hidden_s)

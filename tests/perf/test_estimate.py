@@ -17,6 +17,8 @@ import torch
 import spmd
 from spmd import P, demo
 from spmd.perf import NETWORKS, Collective, Network, collective_time, mesh_shape_for
+from spmd.perf._measure import Event, ordinals
+from spmd.perf.model import exposed
 from spmd.testing.memory import SavedBytes
 
 SPEC = demo.SPEC  # (N, C, H, W), H split over "sp"
@@ -182,8 +184,10 @@ def test_step_is_the_sum_of_its_parts_and_strong_efficiency_its_formula():
                                      rel=1e-12)
     assert p.efficiency == pytest.approx(p.serial_s / (4 * p.step_s), rel=1e-12)
     assert "compute divided by 10" in p.notes[-1] and p.network == "slow"
-    assert p.comm_s == pytest.approx(sum(
-        c.time(slow, 4) for c in est.comm[0]) * 2, rel=1e-12)  # 2 neighbours vs 1
+    # every collective's time is exposed or hidden (2 neighbours vs 1: twice the halo)
+    assert p.comm_s + p.hidden_s == pytest.approx(sum(
+        c.time(slow, 4) for c in est.comm[0]) * 2, rel=1e-12)
+    assert p.comm_s > 0 and p.hidden_s >= 0
     g = sum(est.grad_bytes.values())
     assert p.grad_bytes == g
     assert p.grad_sync_s == pytest.approx(
@@ -203,6 +207,59 @@ def test_overlapped_grad_sync_hides_all_but_the_last_bucket():
     # One bucket (under 1 MiB): the whole all-reduce is exposed, with one flag per parameter.
     elems = sum(q.numel() for q in model.parameters()) + 4
     assert p.grad_sync_s == pytest.approx(collective_time(net, "all_reduce", 2, payload=4 * elems))
+
+
+# -- overlap: a halo hides behind the compute between its start and its wait -------------------
+
+def _ev(pass_, start, wait, name="conv2d", kind="all_to_all", ordinal=0):
+    return Event(name, kind, pass_, ordinal, start, wait)
+
+
+def test_exposed_time_by_hand():
+    """Forward and backward take 1 s each; the halo is waited for half-way through."""
+    f = b = 1.0
+    halo = _ev("forward", 0.0, 0.5)
+    assert exposed([0.4], [halo], f, b) == 0.0  # fits in the window
+    assert exposed([0.7], [halo], f, b) == pytest.approx(0.2)  # 0.5 s of it hidden
+    assert exposed([0.4], [_ev("forward", 0.5, 0.5)], f, b) == 0.4  # blocking: all exposed
+    assert exposed([0.4], [None], f, b) == 0.4  # not on the one-rank run: all exposed
+    # two started together go one after the other: the second ends at 0.8, 0.3 late
+    both = [halo, _ev("forward", 0.0, 0.5, ordinal=1)]
+    assert exposed([0.4, 0.4], both, f, b) == pytest.approx(0.3)
+    # a stall delays what follows: the backward halo starts 0.3 s later than planned
+    later = [halo, _ev("backward", 0.0, 0.2)]
+    assert exposed([0.8, 0.2], later, f, b) == pytest.approx(0.3)
+    assert exposed([0.8, 0.25], later, f, b) == pytest.approx(0.35)
+
+
+def test_the_one_rank_run_places_each_halo_before_the_compute_it_hides_behind():
+    """The demo CNN's framed convs start their halo before the shard's own conv and wait
+    after it; psum blocks. Every collective of the 3-rank run has its event, so with a
+    network fast enough for every halo to fit its window, exactly the blocking
+    collectives are exposed, and with no compute left to hide behind, nothing is
+    hidden."""
+    model = demo.make_model(hidden=4)
+    mesh = spmd.Mesh((3,), ("sp",))
+    build = lambda m: (lambda x: spmd.psum(spmd.nn.convert(model, m, SPEC)(x).square().sum(), "sp"))  # noqa: E731
+    est = spmd.estimate(build, mesh, SPEC, torch.randn(1, 2, 24, 16), out_specs=P(), build=True,
+                        repeats=3, warmup=1)
+    events = est._events(list(est.local_shapes))
+    halos = [e for e in events if e.kind == "all_to_all"]
+    assert [e.pass_ for e in halos] == ["forward"] * 3 + ["backward"] * 3
+    assert all(e.wait > e.start for e in halos)
+    assert all(e.wait == e.start for e in events if e.kind == "all_reduce")
+    mine = [(c.name, c.kind, c.pass_) for c in est.comm[1]]  # the middle rank's
+    assert {(*k, i) for k, i in zip(mine, ordinals(mine))} <= {e.key for e in events}
+    fast = Network(1e-12, 1e15, name="fast")
+    p = est.predict(3, network=fast, grad_sync="none")
+    assert p.comm_s == pytest.approx(sum(c.time(fast, 3) for c in est.comm[1]
+                                         if c.kind != "all_to_all"), rel=1e-9)
+    assert p.hidden_s == pytest.approx(sum(c.time(fast, 3) for c in est.comm[1]
+                                           if c.kind == "all_to_all"), rel=1e-9)
+    assert "overlap as on the one-rank run" in p.notes[1]
+    slow = Network(1e-3, 1e6, name="slow")
+    instant = est.predict(3, network=slow, compute_scale=1e12, grad_sync="none")
+    assert instant.hidden_s < 1e-9 * instant.comm_s
 
 
 def test_mesh_shapes_spread_ranks_over_the_used_axes():
@@ -275,6 +332,23 @@ def test_comm_stats_details_are_parallel_to_records():
     assert by[("ppermute", 0)] == ("permute", 4, 1, 24) and by[("ppermute", 3)] == ("permute", 4, 0, 24)
     assert by[("all_to_all", 2)] == ("all_to_all", 4, 3, 48)
     assert by[("psum", 1)] == ("all_reduce", 4, 3, 4)
+    # times: when each call started; an asynchronous all-to-all also when it was waited for
+    assert len(st.times) == len(st.records)
+    for (name, *_), (s, w) in zip(st.records, st.times):  # these calls all block:
+        assert w is None if name != "all_to_all" else w >= s  # threads waits at once
+
+
+def test_comm_stats_times_say_when_a_halo_was_waited_for():
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.randn(1, 1, 6, 4)
+    w = torch.randn(1, 1, 3, 3)
+    body = lambda x: spmd.ops.conv2d(x, w, padding=1, mesh=mesh, spec=P(None, None, "sp"))  # noqa: E731
+    f = spmd.shard_map(body, mesh, P(None, None, "sp"), P(None, None, "sp"))
+    f(x)
+    with spmd.comm_stats() as st:
+        f(x)
+    assert [r[0] for r in st.records] == ["conv2d", "conv2d"]
+    assert all(w is not None and w >= s for s, w in st.times)
 
 
 # -- errors --------------------------------------------------------------------------------------
