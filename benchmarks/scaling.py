@@ -16,6 +16,12 @@ times measured on gloo processes here.
    timed inside the gloo ranks, interleaved with their steps (a 1-rank threads mesh on
    the rank's shard): the same load and core sharing, so it checks the communication
    model alone. World 4 runs 4 processes on this machine's 2 cores.
+   Then the measured step taken apart (every collective of the gloo ranks timed): the
+   slowest rank's time outside collectives (its compute, as it ran) and blocked in
+   them, against the model's compute and exposed communication; and the time ranks
+   wait for one another, which the model leaves out: per collective, how much later
+   the last rank entered it than the first (a rank that computes slower this time),
+   summed over the step.
 3. Predictions at a realistic size for the demo CNN and the test U-Net (``TinyUNet(c=8)``
    of ``tests/nn/test_unet.py``; both are 2-D): a 32768 x 32768 field (2^30 points, as
    many as a 1024^3 volume), batch 1, float32, split over a 2-D mesh (H over "sx", W over
@@ -85,10 +91,50 @@ def _fit(mesh):
 
 # -- 2. measured gloo steps ------------------------------------------------------------------
 
+class _Timed:
+    """A started collective whose ``wait`` is timed (delegates everything else)."""
+
+    def __init__(self, inner, entry):
+        self._inner, self._entry = inner, entry
+
+    def wait(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return self._inner.wait(*args, **kwargs)
+        finally:
+            self._entry[1] += time.perf_counter() - t
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def _time_collectives(log: list) -> None:
+    """Every collective of this process's torch comm appends ``[entered, seconds
+    blocked]`` to ``log`` (the call, and for a started one its wait). Patches the class
+    in this (benchmark) process only."""
+    from spmd.comm import distributed
+    cls = distributed.TorchComm
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "scatter",
+                 "permute", "broadcast", "barrier", "all_reduce_async", "all_to_all_async"):
+        real, started = getattr(cls, name), name.endswith("_async")
+
+        def timed(self, *args, _real=real, _async=started, **kwargs):
+            t = time.perf_counter()
+            entry = [t, 0.0]
+            log.append(entry)
+            out = _real(self, *args, **kwargs)
+            entry[1] += time.perf_counter() - t
+            return _Timed(out, entry) if _async else out
+        setattr(cls, name, timed)
+
+
 def _gloo_steps(mesh, size: int, steps: int):
-    """Per step: the gloo step's seconds, and (interleaved, under the same load) the
-    seconds of this rank's shard alone on a 1-rank threads mesh: its compute in situ."""
+    """Per step: the gloo step's (start, end) and its collectives' ``[entered, seconds
+    blocked]``, and (interleaved, under the same load) the seconds of this rank's shard
+    alone on a 1-rank threads mesh: its compute in situ."""
     torch.set_num_threads(1)
+    log: list = []
+    _time_collectives(log)
     x, t = _data("demo", size, batch=2)
     build = _loss_body(_model("demo"), SPEC, t.numel())
     f = spmd.shard_map(build(mesh), mesh, (SPEC, SPEC), P())
@@ -98,12 +144,14 @@ def _gloo_steps(mesh, size: int, steps: int):
     g = spmd.shard_map(build(one), one, (SPEC, SPEC), P())
     times, alone = [], []
     for i in range(steps + 2):
+        log.clear()
         t0 = time.perf_counter()
         f(x, t).backward()
         t1 = time.perf_counter()
+        calls = [tuple(e) for e in log]
         g(xl, tl).backward()
         if i >= 2:  # the first learns the layouts, the second warms up
-            times.append(t1 - t0)
+            times.append((t0, t1, calls))
             alone.append(time.perf_counter() - t1)
     return times, alone
 
@@ -116,11 +164,12 @@ def validate(net: Network, size: int, steps: int) -> None:
     print("| world | measured ms (median, p10..p90) | predicted ms (compute + comm + sync) "
           "| pred / meas | with compute timed in the gloo ranks | pred / meas |")
     print("|---:|---:|---:|---:|---:|---:|", flush=True)
+    parts = []
     for w in (2, 4):
         res = spmd.launch(_gloo_steps, (w,), ("sp",), backend="gloo", args=(size, steps),
                           timeout=900)
-        per_step = [max(r[0][i] for r in res) for i in range(steps)]  # the slowest rank
-        med = statistics.median(per_step)
+        per_step = [max(r[0][i][1] - r[0][i][0] for r in res) for i in range(steps)]
+        med = statistics.median(per_step)  # the slowest rank's
         q = statistics.quantiles(per_step, n=10)
         insitu = max(statistics.median(r[1]) for r in res)
         p = est.predict(w, network=net)
@@ -129,7 +178,33 @@ def validate(net: Network, size: int, steps: int) -> None:
               f"{p.step_s * 1e3:.1f} ({p.compute_s * 1e3:.1f} + {p.comm_s * 1e3:.1f} + "
               f"{p.grad_sync_s * 1e3:.1f}) | {p.step_s / med:.2f} | "
               f"{b * 1e3:.1f} ({insitu * 1e3:.1f} + ...) | {b / med:.2f} |", flush=True)
+        parts.append((w, p, _apart([r[0] for r in res], steps)))
+    print("\nThe measured step taken apart (medians over steps; the slowest rank of each step; "
+          "waiting: per collective, the last rank's entry less the first's, summed):\n")
+    print("| world | step ms | outside collectives ms (model: compute) | blocked in "
+          "collectives ms (model: exposed comm + sync, hidden) | waiting for the slowest "
+          "rank ms | collectives per rank |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for w, p, (step, outside, blocked, waiting, calls) in parts:
+        print(f"| {w} | {step * 1e3:.1f} | {outside * 1e3:.1f} ({p.compute_s * 1e3:.1f}) | "
+              f"{blocked * 1e3:.1f} ({(p.comm_s + p.grad_sync_s) * 1e3:.1f}, "
+              f"{p.hidden_s * 1e3:.1f}) | {waiting * 1e3:.1f} | {calls} |")
     print(f"\nestimate (threads, world 2): {est!r}")
+
+
+def _apart(per_rank: list, steps: int) -> tuple:
+    """Medians over steps of (step, outside collectives, blocked in them) of each step's
+    slowest rank, the summed entry skew, and the collectives per rank."""
+    rows = []
+    for i in range(steps):
+        ranks = [r[i] for r in per_rank]
+        slow = max(ranks, key=lambda r: r[1] - r[0])
+        blocked = sum(c[1] for c in slow[2])
+        n = min(len(r[2]) for r in ranks)
+        skew = sum(max(r[2][j][0] for r in ranks) - min(r[2][j][0] for r in ranks)
+                   for j in range(n))
+        rows.append((slow[1] - slow[0], slow[1] - slow[0] - blocked, blocked, skew, n))
+    return tuple(statistics.median(r[k] for r in rows) for k in range(5))
 
 
 # -- 3. predictions at a realistic size ----------------------------------------------------------
