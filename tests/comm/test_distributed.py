@@ -33,6 +33,10 @@ def _suite(mesh, axes):
     for op in ("sum", "max", "min"):
         out["ar_" + op] = c.all_reduce(x.t(), op, g, name="p" + op)  # non-contiguous input
     out["ar_int"] = c.all_reduce(torch.arange(3) * (r + 1), "sum", g, name="psum")
+    # the same small reduction again (it reuses its buffers): the first result stays put
+    first = c.all_reduce(torch.tensor([r, 1.0]), "sum", g, name="psum")
+    out["ar_again"] = [first, c.all_reduce(torch.tensor([10.0 * r, 2.0]), "sum", g, name="psum"),
+                       first.clone()]
     b = torch.tensor([r == 0, False, True])
     out["ar_bool"] = [c.all_reduce(b, op, g, name="p" + op) for op in ("sum", "min")]
     for dt in (torch.int8, torch.uint8, torch.int64, torch.float16, torch.bfloat16):
