@@ -18,6 +18,8 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
 
     raw all_reduce        dist.all_reduce(x)                  in place (destroys x)
     raw all_reduce+clone  dist.all_reduce(x.clone())          fair: spmd keeps x intact
+    comm all_reduce       comm_of(mesh).all_reduce(x, "sum", group): the protocol alone,
+                          with its always-on check (no collectives layer, no autograd)
     psum no_grad          spmd.psum(x, "x") under torch.no_grad()
     psum                  spmd.psum(x, "x"), grad mode on, x.requires_grad False (the
                           default in user code: spmd "anchors" x, an autograd node is made)
@@ -59,12 +61,13 @@ AXIS = "x"
 WARMUP = 20
 MIN_ITERS = 200
 
-VARIANTS = ["raw all_reduce", "raw all_reduce+clone", "psum no_grad", "psum",
+VARIANTS = ["raw all_reduce", "raw all_reduce+clone", "comm all_reduce", "psum no_grad", "psum",
             "psum requires_grad", "raw all_gather", "all_gather", "all_gather sizes=",
             "raw ppermute", "ppermute"]
 
 # (spmd variant, baseline variant) pairs that the table and the goals report.
 COMPARISONS = [
+    ("comm all_reduce", "raw all_reduce+clone"),
     ("psum no_grad", "raw all_reduce"),
     ("psum no_grad", "raw all_reduce+clone"),
     ("psum", "raw all_reduce"),
@@ -107,6 +110,11 @@ def _make_calls(mesh, nbytes: int):
         dist.all_reduce(y, group=pg)
         return y
 
+    comm = comm_of(mesh)
+
+    def comm_ar():
+        return comm.all_reduce(x, "sum", group, name="psum")
+
     def psum_ng():
         with torch.no_grad():
             return spmd.psum(x, AXIS)
@@ -140,7 +148,7 @@ def _make_calls(mesh, nbytes: int):
         return spmd.ppermute(x, AXIS, perm)
 
     calls = {
-        "raw all_reduce": raw_ar, "raw all_reduce+clone": raw_ar_clone,
+        "raw all_reduce": raw_ar, "raw all_reduce+clone": raw_ar_clone, "comm all_reduce": comm_ar,
         "psum no_grad": psum_ng, "psum": psum, "psum requires_grad": psum_rg,
         "raw all_gather": raw_ag, "all_gather": ag, "all_gather sizes=": ag_sizes,
         "raw ppermute": raw_pp, "ppermute": pp,
@@ -148,7 +156,7 @@ def _make_calls(mesh, nbytes: int):
     # Sanity: spmd and raw agree, and spmd did not touch its input.
     x0 = x.clone()
     ref = raw_ar_clone()
-    for name in ("psum no_grad", "psum", "psum requires_grad"):
+    for name in ("comm all_reduce", "psum no_grad", "psum", "psum requires_grad"):
         assert torch.allclose(calls[name]().detach(), ref), name
     assert torch.equal(ag().detach(), raw_ag()) and torch.equal(ag_sizes().detach(), raw_ag())
     assert torch.equal(pp().detach(), raw_pp())
