@@ -375,7 +375,7 @@ def _overlapped_bwd(sp, res, g):
     drpb = None if rpb is None else torch.zeros_like(rpb, dtype=cd)
     back = None
     for level in reversed(range(len(sp.fetches) + 1)):
-        kh, vh = _heads(kws[level], G), _heads(vws[level], G)
+        kh, vh = _heads(kws.pop(), G), _heads(vws.pop(), G)  # the larger windows go first
         for part, lse in zip(sp.parts, lses):
             if part[0] != level:
                 continue
