@@ -322,24 +322,32 @@ def test_sizes_exchange_once_with_a_P_spec_and_nothing_moves_without_a_split():
     torch.testing.assert_close(y[1], neighborhood_attention_reference(q, k, v, 3)[0], **TOL)
 
 
-def test_saves_k_v_their_halo_rows_the_output_and_lse_only():
-    """Per rank, autograd keeps q, k and v, the halo rows of k and v that arrived, the
-    output and the log-sum-exp: never a copy of the shard, nor the kernel_size-fold
-    gathered keys or scores."""
+def _saved_per_rank(mesh, lay, kernel) -> dict[int, int]:
+    """The bytes autograd saves on each rank for the op on ``lay`` (q's layout; k and v
+    alike), the inputs left out."""
     from spmd.testing.memory import SavedBytes
-    mesh = spmd.Mesh((3,), ("sp",))
-    B, L, H, D, kk = 2, 18, 2, 4, 5
-    lay = Layout((B, L, H, D), P(None, "sp"), mesh)
-    q, k, v, _ = _qkv((B, L), H, D)
+    n = len(lay.shape) - 3
+    q, k, v, _ = _qkv(lay.shape[:1 + n], lay.shape[-2], lay.shape[-1])
     got = {}
 
     def body(q, k, v):
         with SavedBytes(skip=(q, k, v)) as saved:
-            y = neighborhood_attention1d(q, k, v, kk, mesh=mesh, spec=lay)
+            y = OPS[n](q, k, v, kernel, mesh=mesh, spec=lay)
         got[mesh.rank] = saved.total
         return y
 
     spmd.shard_map(body, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
+    return got
+
+
+def test_saves_k_v_their_halo_rows_the_output_and_lse_only():
+    """Per rank, autograd keeps q, k and v, the halo rows of k and v that arrived, the
+    output and the log-sum-exp: never a copy of the shard, nor the kernel_size-fold
+    gathered keys or scores."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    B, L, H, D, kk = 2, 18, 2, 4, 5
+    lay = Layout((B, L, H, D), P(None, "sp"), mesh)
+    got = _saved_per_rank(mesh, lay, kk)
     halo = [2, 4, 2]  # kernel 5: 2 rows from each neighbour
     for r in range(3):
         n = lay.sizes[1][r]
@@ -510,20 +518,10 @@ def test_two_split_dims_save_k_v_the_halo_rows_of_each_level_the_output_and_lse_
     """With two split dims autograd keeps what it keeps with one: q, k, v, the key and
     value rows that arrived (at the second level, the corners with them), the output
     and the log-sum-exp; no window."""
-    from spmd.testing.memory import SavedBytes
     mesh = spmd.Mesh((2, 3), ("x", "y"))
     B, H, D, kk = 2, 2, 4, (3, 5)
     lay = Layout((B, 10, 13, H, D), P(None, "x", "y"), mesh, {1: (4, 6), 2: (5, 1, 7)})
-    q, k, v, _ = _qkv((B, 10, 13), H, D)
-    got = {}
-
-    def body(q, k, v):
-        with SavedBytes(skip=(q, k, v)) as saved:
-            y = neighborhood_attention2d(q, k, v, kk, mesh=mesh, spec=lay)
-        got[mesh.rank] = saved.total
-        return y
-
-    spmd.shard_map(body, mesh, (lay,) * 3, lay)(*(t.requires_grad_() for t in (q, k, v)))
+    got = _saved_per_rank(mesh, lay, kk)
     w0 = needed_rows(10, kk[0], 1, False, lay.sizes[1])
     w1 = needed_rows(13, kk[1], 1, False, lay.sizes[2])
     for r in range(mesh.size):
