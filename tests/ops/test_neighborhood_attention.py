@@ -583,6 +583,27 @@ def test_double_backward_and_torch_func_over_two_split_dims_match_the_reference(
         torch.testing.assert_close(a, b.detach(), **TOL)
 
 
+def test_a_nan_in_a_corner_key_reaches_the_same_queries_and_gradients_as_on_one_device():
+    """A NaN key at a shard's corner travels in the second level's halo (the corners):
+    the outputs it poisons and the gradients, NaN or not, are the reference's."""
+    mesh = spmd.Mesh((2, 2), ("x", "y"))
+    lay = Layout((1, 8, 9, 2, 3), P(None, "x", "y"), mesh, {1: (4, 4), 2: (5, 4)})
+    q, k, v, rpb = _qkv((1, 8, 9), rpb_ks=(3, 3))
+    k[0, 3, 4, 1, 2] = float("nan")  # rank (0, 0)'s corner row 3, column 4
+    go = torch.randn(q.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    f = lambda q, k, v: neighborhood_attention2d(q, k, v, 3, rpb=rpb, mesh=mesh, spec=lay)  # noqa: E731
+    xs = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = spmd.shard_map(f, mesh, (lay,) * 3, lay)(*xs)
+    grads = torch.autograd.grad(got, xs, go)
+    ys = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = neighborhood_attention_reference(*ys, 3, rpb=rpb)
+    gwant = torch.autograd.grad(want, ys, go)
+    assert want.isnan().any() and not want.isnan().all()
+    torch.testing.assert_close(got, want, equal_nan=True, **TOL)
+    for a, b in zip(grads, gwant):
+        torch.testing.assert_close(a, b, equal_nan=True, **TOL)
+
+
 def test_float32_and_bfloat16_follow_the_float64_reference():
     q, k, v, rpb = _qkv((2, 9, 8), rpb_ks=(3, 5))
     want = neighborhood_attention_reference(q, k, v, (3, 5), rpb=rpb)
