@@ -326,6 +326,13 @@ def _zero(t: torch.Tensor) -> torch.Tensor:
     return t.flatten()[:0].sum()
 
 
+def narrowed(t: torch.Tensor, cuts: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+    """``t`` narrowed by each ``(dim, start, length)`` of ``cuts`` in turn (a view)."""
+    for dim, start, length in cuts:
+        t = t.narrow(dim, start, length)
+    return t
+
+
 def my_range(layout: Layout, rank: int, dim: int,
              ranges: tuple[tuple[int, int], ...]) -> tuple[int, int]:
     return ranges[layout.shard_index(rank, dim) if layout.sizes[dim] is not None else 0]

@@ -46,6 +46,7 @@ from ._window import (
     input_layout,
     member_ranges,
     mode_error,
+    narrowed,
     ntuple,
     out_layout,
     out_sizes,
@@ -328,12 +329,6 @@ def _conv_bwd_at(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
         transposed, [0] * len(stride), groups, mask)
 
 
-def _cut(t: torch.Tensor, cuts: list) -> torch.Tensor:
-    for dim, start, length in cuts:
-        t = t.narrow(dim, start, length)
-    return t
-
-
 def _rows(x: torch.Tensor, recvs: list, levels: Sequence[_Level], dim: int):
     """``take`` for a later level's exchange: ``x`` padded along ``levels`` (with what
     arrived), built only at the positions sent along ``dim``."""
@@ -405,7 +400,7 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
             t, cuts = got[r], []
             for i in reversed(range(j)):
                 lv = levels[i]
-                h = _cut(halo(i), cuts)
+                h = narrowed(halo(i), cuts)
                 for src, dst, n in ((0, 0, lv.pos), (lv.pos + lv.k, lv.pos, lv.width - lv.pos - lv.k)):
                     if n:
                         h.narrow(lv.dim, dst, n).index_add_(dim, at, t.narrow(lv.dim, src, n))
@@ -432,7 +427,7 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
         else:  # the first level's arrivals land in the shard's cotangent, as any fetch's
             gx = back.wait(owned=True, own_grad=gx)
     for dim, at, t, cuts in to_shard:
-        _cut(gx, cuts).index_add_(dim, at, t)
+        narrowed(gx, cuts).index_add_(dim, at, t)
     if gw is not None:
         for gw_slab in gws:
             gw += gw_slab

@@ -51,7 +51,7 @@ from ._neighborhood import (
     dim_windows,
     local_index,
 )
-from ._window import _MeshOf, input_layout, with_layout
+from ._window import _MeshOf, input_layout, narrowed, with_layout
 
 __all__ = ["neighborhood_attention1d", "neighborhood_attention2d", "neighborhood_attention3d",
            "neighborhood_attention_reference"]
@@ -301,16 +301,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(1, -3)
 
 
-def _cut(t: torch.Tensor, cuts: tuple) -> torch.Tensor:
-    for dim, start, length in cuts:
-        t = t.narrow(dim, start, length)
-    return t
-
-
 def _attend_part(q, kw, vw, rpb, sp: _Levels, part) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's (output in the compute dtype, shaped as its queries; log-sum-exp)."""
     _, cuts, dims = part
-    qp = _cut(q, cuts)
+    qp = narrowed(q, cuts)
     ix = local_index(dims, q.device, sp.row_elems)
     out, lse = attend_forward(_flat(qp), _flat(kw), _flat(vw), rpb, ix, sp.scale)
     return out.view(*qp.shape[:-1], vw.shape[-1]), lse
@@ -336,7 +330,7 @@ def _overlapped_value(q, k, v, rpb, sp: _Levels):
         for j, part in enumerate(sp.parts):
             if part[0] == level:
                 o, lses[j] = _attend_part(q, kh, vh, rpb, sp, part)
-                _cut(out, part[1]).copy_(o)
+                narrowed(out, part[1]).copy_(o)
     return out, recvs, lses
 
 
@@ -380,11 +374,11 @@ def _overlapped_bwd(sp, res, g):
             if part[0] != level:
                 continue
             cuts, dims = part[1], part[2]
-            qp = _cut(q, cuts)
-            got = attend_backward(_flat(qp), _flat(kh), _flat(vh), rpb, _flat(_cut(out, cuts)),
-                                  lse, _flat(_cut(g, cuts)), local_index(dims, q.device, sp.row_elems),
+            qp = narrowed(q, cuts)
+            got = attend_backward(_flat(qp), _flat(kh), _flat(vh), rpb, _flat(narrowed(out, cuts)),
+                                  lse, _flat(narrowed(g, cuts)), local_index(dims, q.device, sp.row_elems),
                                   sp.scale)
-            _cut(dq, cuts).copy_(got[0].view(qp.shape))
+            narrowed(dq, cuts).copy_(got[0].view(qp.shape))
             dks[level] += _summed(got[1].view(kh.shape), G)
             dvs[level] += _summed(got[2].view(vh.shape), G)
             if drpb is not None:
