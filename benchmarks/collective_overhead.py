@@ -32,14 +32,14 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
     raw ppermute          dist.batch_isend_irecv([isend x, irecv new buf]) + wait
     ppermute              spmd.ppermute(x, "x", [(0, 1), (1, 0)])
 
-Goals (from the issue): overhead <= 5 % at 1 MiB and <= 30 us at 4 B.
+The project's targets: overhead <= 5 % at 1 MiB and <= 30 us at 4 B.
 
-Since reliability item 4, spmd's reductions of CPU tensors check op, dtype and shape
+spmd's reductions of CPU tensors check op, dtype and shape
 on every call in the same round trip: up to 512 bytes as one all_gather of metadata
 and payload reduced locally, above that with a header reduced with the payload. That
-costs more than the goals allow (about +0.28 ms at 4 B and +0.18 ms at 64 KiB at
+costs more than the targets allow (about +0.28 ms at 4 B and +0.18 ms at 64 KiB at
 world 2 on a loaded 2-core machine); ``SPMD_VALIDATE=0 python benchmarks/...``
-measures spmd without the checks, as before. GradSync's buckets have no header.
+measures spmd without the checks. GradSync's buckets have no header.
 """
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def _size_str(n: int) -> str:
 
 
 def _goal(nbytes: int):
-    """(label, test(us, pct)) of the issue's goal for this size, or None."""
+    """(label, test(us, pct)) of the target for this size, or None."""
     if nbytes <= 4:
         return "<= 30 us", lambda us, pct: us <= 30.0
     if nbytes >= 1 << 20:

@@ -35,7 +35,7 @@ each step, after a barrier outside the timed region; times are taken on rank 0 w
 Then per-phase medians on rank 0 (forward with zero_grad, backward, wait, step) say where
 the time goes, and the bucket plans are printed.
 
-The goal (issue 5): ratio <= 1.0.
+The target: ratio <= 1.0.
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         if m not in MODELS:
             ap.error(f"unknown model {m!r}; choose from {MODELS}")
     if a.steps < 20:
-        ap.error("--steps must be at least 20 (the issue asks for >= 20 paired steps)")
+        ap.error("--steps must be at least 20 (fewer paired steps give no stable median)")
 
     import torch
 

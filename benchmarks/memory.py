@@ -15,7 +15,7 @@ For each row the table gives, per world size:
                    warm-up step has run (Linux VmHWM, reset by spmd.testing.memory)
     ideal          the same step in one process with plain torch (no spmd), divided by
                    the world size: what a rank would need if the work split perfectly
-    ratio          MiB per rank / ideal (goal: <= 1.15)
+    ratio          MiB per rank / ideal (target: <= 1.15)
 
 Rows (add one by writing ``row(mesh, args, plain)``, which makes one rank's inputs and
 returns its step, a function of no arguments; ``args`` are the parsed command-line

@@ -17,7 +17,7 @@ and backward (input, weight and bias gradients) from a fixed cotangent:
   var = E[x^2] - E[x]^2, then the same weight/bias all-reduce.
 
 Error: the largest |y - y64| over the output, where y64 is the float64 norm of the same
-float32 input, on x ~ N(1000, 1) (the issue's numerics bar), for each variant. Bytes are
+float32 input, on x ~ N(1000, 1) (the accuracy the norms must reach), for each variant. Bytes are
 what each rank sent per step (spmd.comm_stats for spmd; the hand-written one's
 all-reduce payloads counted by hand, forward and backward).
 """

@@ -4,7 +4,7 @@
 
 Reports the median over repeats of the mean time per call, for the body on one
 device and through shard_map (forward only, and forward + backward). The overhead is
-the difference. The issue's goal: <= 100 us per call for a trivial body on 8 ranks and
+the difference. The project's target: <= 100 us per call for a trivial body on 8 ranks and
 <= 50 us on 4 (JAX's eager shard_map: ~120 ms for a 2-op body on 8 CPU devices; jitted
 ~100 us). The row "bare threads" is the floor of any design with a thread per rank:
 the body on n threads, released and joined with raw locks, nothing else. Each mesh runs with ``rng="per_rank"`` (the default: every torch call on a rank

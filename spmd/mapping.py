@@ -11,7 +11,7 @@ Two drivers share the spec handling:
   the global tensors; gradients of inputs and of closed-over parameters are summed
   over the mesh in backward, so every rank ends with the single-device gradients.
 
-The boundary rules (DESIGN.md): an input replicated over axes A gets its gradient
+The boundary rules (docs/design.md): an input replicated over axes A gets its gradient
 summed over A; an output replicated over A has its cotangent divided by |A|.
 """
 from __future__ import annotations

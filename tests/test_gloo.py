@@ -561,7 +561,7 @@ def test_launch_refuses_function_from_interactive_main():
 
 
 def _transforms_2x2(mesh):
-    """Every transform of issue 3 on a (2, 2) mesh, forward and backward."""
+    """Every transform on a (2, 2) mesh, forward and backward."""
     xg = torch.arange(30.0, dtype=F64).reshape(6, 5) / 7
     lay = spmd.Layout(xg.shape, P("dp", "sp"), mesh)
     x = lay.shard(xg, mesh.rank).clone().requires_grad_()
@@ -636,7 +636,7 @@ def _extremes_with_nan(mesh):
 
 
 def test_max_and_min_keep_nan_on_gloo(gloo2):
-    """gloo's MAX and MIN drop a NaN held by a later rank (reliability item 2); threads
+    """gloo's MAX and MIN drop a NaN held by a later rank; spmd's, threads
     and one device keep it."""
     got = gloo2.run(_extremes_with_nan, (2,), ("sp",))
     want = spmd.launch(_extremes_with_nan, (2,), ("sp",))

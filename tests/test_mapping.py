@@ -207,9 +207,8 @@ def test_check_rep_passes_for_psum_and_names_rank_and_index():
 
 
 def test_check_rep_accepts_nan_where_every_rank_has_nan():
-    """A replicated NaN (a loss that diverged on every rank alike) is equal everywhere;
-    before, check_rep said "nan vs nan" for a scalar and failed inside for a vector
-    (reliability item 13). NaN in different places still differs."""
+    """A replicated NaN (a loss that diverged on every rank alike) is equal everywhere
+    for check_rep, as a scalar and as a vector. NaN in different places still differs."""
     mesh = spmd.Mesh((3,), ("sp",))
     x = torch.arange(6.0)
     nan = float("nan")
@@ -239,9 +238,9 @@ def test_non_tensor_outputs_compare_numpy_arrays_and_nan_as_values():
 
 
 def test_an_in_place_op_on_a_replicated_input_acts_once():
-    """On a threads mesh every rank saw the caller's replicated tensor: s.add_(1) added 4
-    on 4 ranks, where processes and one device add 1 (reliability item 3). Split inputs
-    were always right: each rank modifies its own rows."""
+    """On a threads mesh every rank sees the caller's replicated tensor: s.add_(1) must add
+    1, as processes and one device do, not 4 on 4 ranks. Split inputs are right by
+    construction: each rank modifies its own rows."""
     mesh = spmd.Mesh((2, 2), ("dp", "sp"))
     s, x = torch.zeros(3), torch.zeros(4, 2)
 
@@ -434,8 +433,8 @@ def test_closed_over_non_leaf_tensor_used_outside_too():
 
 
 def test_a_second_backward_is_refused_as_for_one_device():
-    """shard_map kept every rank's graph: a second backward silently doubled x.grad where
-    torch raises (reliability item 6). retain_graph=True still allows it."""
+    """shard_map keeps every rank's graph: a second backward must raise as torch does,
+    not silently double x.grad. retain_graph=True still allows it."""
     mesh = spmd.Mesh((2,), ("sp",))
     x = torch.randn(6, requires_grad=True)
     loss = spmd.shard_map(lambda x: spmd.psum((x.sin() ** 2).sum(), "sp"), mesh, P("sp"), P())(x)
@@ -523,8 +522,8 @@ def test_double_backward_is_refused_clearly():
 
 @pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap", "jvp"])
 def test_torch_func_transforms_are_refused_clearly(transform):
-    """grad/jacrev/vmap failed deep inside functorch, and jvp returned a zero tangent,
-    silently (reliability item 8): one clear error now, naming what to do instead."""
+    """grad/jacrev/vmap would fail deep inside functorch, and jvp would return a zero
+    tangent silently: one clear error instead, naming what to do."""
     mesh = spmd.Mesh((2,), ("sp",))
     f = spmd.shard_map(lambda x: spmd.psum((x ** 2).sum(), "sp"), mesh, P("sp"), P())
     x = torch.randn(4)

@@ -1,6 +1,6 @@
 """Differentiable collectives with JAX's names, each with its vjp right below it.
 
-The one autograd convention (DESIGN.md): inside per-rank code every tensor is
+The one autograd convention (docs/design.md): inside per-rank code every tensor is
 device-varying, so each transpose is another public collective:
 
     psum -> psum          all_gather -> psum_scatter     psum_scatter -> all_gather

@@ -7,7 +7,7 @@ exactly the global input range its outputs read (``fetch``). That range can be w
 than the shard (a halo, possibly from several ranks away), narrower (a trim), or
 empty; positions outside the global input follow the op's padding mode.
 
-Memory (DESIGN.md): ``windowed`` runs the op on the window but keeps for backward only
+Memory (docs/design.md): ``windowed`` runs the op on the window but keeps for backward only
 the shard and the halo slabs that arrived, never the padded window, and writes the input
 gradient into the window's gradient in place.
 """

@@ -6,7 +6,7 @@ balanced otherwise); each rank then fetches exactly the input rows its output ro
 read: ``[s*o0 - lo, s*(o1-1) + d*(k-1) - lo]``. So every kernel, stride, padding,
 dilation and uneven split is exact, halos may be asymmetric, zero or negative (a trim),
 and only those rows move. Weight and bias are replicated: each rank's local conv gives
-its partial weight gradient (DESIGN.md: shard_map sums them).
+its partial weight gradient (docs/design.md: shard_map sums them).
 
 Memory: autograd keeps the shard and the halo rows that arrived (``windowed``), and the
 backward is ATen's convolution backward on the window rebuilt from them. A conv whose

@@ -9,7 +9,7 @@ copies of every shard); ``gather`` sends one copy of every shard to ``dst`` (an
 (a dtype code table, never pickles), so ranks without data need not know the shape,
 and shape errors are raised on every rank before any data moves.
 
-Every tensor in per-rank code is device-varying (DESIGN.md), so the backward rules are
+Every tensor in per-rank code is device-varying (docs/design.md), so the backward rules are
 exact transposes: ``scatter``'s backward sums the shard cotangents of every rank
 (replicas included) into ``src``'s gradient; ``gather``'s backward sends each part of
 ``dst``'s cotangent to the copy that the forward read, and zeros to the other replicas

@@ -1,6 +1,6 @@
 """Differentiable collectives: values and gradients against a single-device float64 run.
 
-The convention (DESIGN.md): in per-rank code every tensor is device-varying, so rank r's
+The convention (docs/design.md): in per-rank code every tensor is device-varying, so rank r's
 output y_r is its own variable. Each rank r backprops its local loss
 ``L_r = (y_r * w_r).sum()``; the collectives inside backward meet across ranks, and the
 gradient each rank gets for its input x_r must equal ``d(sum_r L_r)/d x_r`` computed on

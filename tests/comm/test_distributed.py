@@ -444,9 +444,8 @@ def body(mesh):
 
 
 def test_launch_from_a_script_needs_the_main_guard_and_says_so(tmp_path):
-    """Without ``if __name__ == "__main__":`` every spawned process ran the script again
-    and failed with two multiprocessing tracebacks; now the parent says what to write,
-    before starting anything (reliability item 15)."""
+    """Without ``if __name__ == "__main__":`` every spawned process would run the script
+    again; the parent says what to write instead, before starting anything."""
     import subprocess
     import sys
     call = 'print(spmd.launch(body, (2,), ("sp",), backend="gloo"))'

@@ -48,9 +48,8 @@ def _slow_rank(mesh, sleep):
 
 def test_a_rank_that_never_arrives_is_named_and_the_mesh_stays_usable():
     """Rank 2 sleeps through the timeout: the error names it as soon as the others' wait
-    times out (it came 5 s late and named no rank), the next call on the same mesh works
-    (it failed with the old CommAborted), and when rank 2 wakes, its psum does not reach
-    the call running then (reliability item 9)."""
+    times out, the next call on the same mesh works, and when rank 2 wakes, its psum does
+    not reach the call running then."""
     mesh = spmd.Mesh((3,), ("sp",), timeout=1.0)
     f = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())
     start = time.monotonic()
@@ -93,7 +92,7 @@ def test_an_error_on_one_rank_is_reported_without_waiting_for_a_stuck_one():
 
 def test_a_cancelled_collective_names_the_rank_that_failed():
     """The ranks whose psum is cancelled by rank 1's failure are told which rank failed,
-    in the message and in CommAborted's op, axes and missing (reliability item 11)."""
+    in the message and in CommAborted's op, axes and missing."""
     from spmd.comm.rank_threads import run_on_threads
     mesh = spmd.Mesh((3,), ("sp",))
     seen = {}
@@ -115,9 +114,9 @@ def test_a_cancelled_collective_names_the_rank_that_failed():
 
 
 def test_dropout_on_rank_threads_is_reproducible_under_a_seed():
-    """Rank threads drew from torch's one generator in whatever order they ran: dropout
-    in a body differed from run to run under the same seed (reliability item 14). Each
-    rank draws from its own state now, seeded from the caller's generator."""
+    """Rank threads sharing torch's one generator would draw in whatever order they ran,
+    so dropout in a body would differ from run to run under the same seed. Each rank
+    draws from its own state, seeded from the caller's generator."""
     mesh = spmd.Mesh((4,), ("sp",))
     f = spmd.shard_map(lambda x: torch.nn.functional.dropout(x, 0.5, training=True), mesh,
                        P("sp"), P("sp"))

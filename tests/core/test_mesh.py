@@ -356,7 +356,7 @@ def test_rank_inside_a_rank_context():
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0, -1.0, 1e300])
 def test_timeouts_that_never_expire_overflow_or_expire_at_once_are_refused(bad):
     """NaN hung every wait, inf and 1e300 overflowed them, 0 and negatives timed out at
-    once (reliability issue, item 12)."""
+    once."""
     with pytest.raises(SpecError, match=r"timeout must be a positive, finite number of seconds"):
         Mesh((2,), ("sp",), timeout=bad)
     with pytest.raises(SpecError, match=r"^launch: timeout must be"):

@@ -48,7 +48,7 @@ def _conv(i, o, **kw):
 
 # Each case: (model, outcome): "exact", or a piece of the refusal message.
 CASES = {
-    # the silently wrong cases
+    # cases a naive conversion gets silently wrong
     # a threads mesh shares the module between rank threads: each would update the stats
     "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm updates batch norm's running "
                               "statistics in training, which the rank threads"),

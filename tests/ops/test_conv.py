@@ -184,7 +184,7 @@ def test_conv_transpose3d_and_conv3d_on_a_2d_mesh():
                       seed=4, mode="circular", padding=1))
 
 
-# -- the grid of the issue -------------------------------------------------------------------------
+# -- a grid of 1-D, 2-D and 3-D splits ---------------------------------------------------------------
 
 GRID = [(n, lens, m) for n, lens in [(1, (32,)), (1, (256,)), (2, (64, 64)), (2, (128, 128)),
                                       (3, (16, 16, 16))] for m in ("1d", "2x2") if n > 1 or m == "1d"]

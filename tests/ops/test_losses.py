@@ -206,7 +206,7 @@ def _gloo_cross_entropy(mesh):
     xr = xg.clone().requires_grad_()
     ref = F.cross_entropy(xr, tg, w)
     # per-rank code: every rank backprops the replicated loss, and psum's transpose sums
-    # the cotangents (DESIGN: the one autograd convention)
+    # the cotangents (docs/design.md: the one autograd convention)
     (ref * mesh.size).backward()
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, lay.shard(xr.grad, mesh.rank), rtol=1e-12, atol=1e-12)

@@ -110,7 +110,7 @@ def test_group_norm_on_any_uneven_split(sizes, groups, n):
 
 @pytest.mark.parametrize("groups", [1, 4])
 def test_group_norm_256_channels_over_8_uneven_shards(groups):
-    """The issue's C=256 with groups {1, 4}, N=2, over 8 ranks with an empty shard:
+    """C=256 with groups {1, 4}, N=2, over 8 ranks with an empty shard:
     values and gradients of input, weight and bias (float64, 1e-10)."""
     lay = Layout((2, 256, 11, 3), P(None, None, "sp"), MESH8, {2: (2, 1, 0, 3, 1, 1, 2, 1)})
     g = torch.Generator().manual_seed(groups)
@@ -125,7 +125,7 @@ def test_group_norm_256_channels_over_8_uneven_shards(groups):
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 2.0), (torch.bfloat16, 2.0),
                                           (torch.float16, 2.0)])
 def test_statistics_are_as_accurate_as_one_device(dtype, bound):
-    """The issue's bar: x ~ N(1000, 1), GroupNorm(1 group) split over 8 shards along H;
+    """The accuracy bar: x ~ N(1000, 1), GroupNorm(1 group) split over 8 shards along H;
     [sum, sum^2] is off by 0.16 in float32 here. Ours: within 2x one device's error."""
     g = torch.Generator().manual_seed(0)
     x64 = torch.randn(1, 16, 257, 257, generator=g, dtype=torch.float64) + 1000

@@ -1,5 +1,5 @@
 """Per rank, the halo'd ops keep for backward what one device keeps divided by P plus the
-halo rows: never a padded copy of the input (DESIGN.md, "Memory"). And the backward that
+halo rows: never a padded copy of the input (docs/design.md, "Memory"). And the backward that
 rebuilds the window from those tensors is exact at any order.
 
 Saved bytes are counted with ``torch.autograd.graph.saved_tensors_hooks``, installed inside

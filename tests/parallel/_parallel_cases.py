@@ -5,7 +5,7 @@ tests/parallel/test_grad_sync_gloo.py (the gloo pools): module-level, so spawned
 import them. Models are built by the caller (one process, one RNG) and passed in; every
 rank trains its own ``copy.deepcopy``.
 
-The per-rank loss is each rank's *local contribution* (DESIGN.md): a data axis ``dp``
+The per-rank loss is each rank's *local contribution* (docs/design.md): a data axis ``dp``
 splits the batch (every dp rank averages its own part: GradSync's op ``"mean"``), a
 domain axis ``sp`` splits each sample (points of the MLP, rows of the CNN's images: each
 sp rank holds a part of the sample's loss: op ``"sum"``). Where the loss is replicated

@@ -566,8 +566,8 @@ def test_grad_sync_with_converted_spmd_nn_layers_on_a_dp_sp_mesh():
 
 
 # =========================================================================================
-# Collectives around the buckets: every rank meets the same ones (issue: a rank-local
-# unused parameter desynchronised them)
+# Collectives around the buckets: every rank meets the same ones (a rank-local unused
+# parameter must not desynchronise them)
 # =========================================================================================
 
 TINY = dict(first_bucket_cap_mb=1e-5, bucket_cap_mb=1e-5)  # a bucket per parameter

@@ -205,8 +205,7 @@ def test_user_on_mesh(mesh):
 def test_a_users_suite_runs_with_default_settings_and_strict_markers(tmp_path):
     """As a user's project would: hypothesis's default profile (200 ms deadline) and
     --strict-markers with no marker registered. The gloo marker comes from spmd's pytest
-    plugin (it warned, or failed under --strict-markers), and sst.settings lifts the
-    deadline that a sharded test passes on its first example (reliability item 17)."""
+    plugin, and sst.settings lifts the deadline for a sharded test's first example."""
     import subprocess
     import sys
     (tmp_path / "test_user.py").write_text(USER_SUITE)

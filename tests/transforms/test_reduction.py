@@ -85,7 +85,7 @@ def run_reduce(mesh_shape, names, shape, spec, sizes, op, dim, keepdim, how="non
         want = ref_slice(full_keep, lay0, r, dims, keepdim)
         tol = 0 if exact else 1e-12
         torch.testing.assert_close(out[r][0], want, rtol=tol, atol=tol, equal_nan=True)
-    # Gradients (DESIGN.md: every rank's output is its own variable): rank r's shard gets
+    # Gradients (docs/design.md: every rank's output is its own variable): rank r's shard gets
     # the cotangents of the ranks it reduced with, those along the axes of the reduced
     # dims; replicas along other axes are separate copies.
     axes = [a for d in dims for a in lay0.dim_axes(d)]
@@ -161,8 +161,8 @@ def test_ties_across_ranks_with_different_local_counts(op):
 
 
 @pytest.mark.parametrize("how", ["none", "dict", "layout"])
-def test_issue_mean_of_uneven_and_empty_shards_is_exact(how):
-    """The issue: mean over dim 0 of a 3x4 tensor on 2 ranks (rows [2, 1]), and of a
+def test_mean_of_uneven_and_empty_shards_is_exact(how):
+    """Mean over dim 0 of a 3x4 tensor on 2 ranks (rows [2, 1]), and of a
     1x4 tensor (rows [1, 0]: one empty shard), equal torch.mean, not a mean of means."""
     for xg in (torch.randn(3, 4, generator=torch.Generator().manual_seed(1)),
                torch.randn(1, 4, generator=torch.Generator().manual_seed(2))):

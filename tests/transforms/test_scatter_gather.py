@@ -370,7 +370,7 @@ def test_scatter_then_gather_on_threads_and_gloo(mesh):
         exact(x.grad, 2 * xg * scale ** 2)
 
 
-# -- scatter's source memory (reliability item 7) -------------------------------------------
+# -- scatter's source memory -----------------------------------------------------------------
 
 def _scatter_peaks(mesh, nbytes):
     """Per split dim: this rank's peak resident memory during one scatter from rank 0,
