@@ -129,13 +129,16 @@ class Estimate:
             f"compute (this machine, rank {self.largest_rank}'s shard {shapes} on a 1-rank mesh): "
             f"forward {_ms(self.forward_s)}, backward {_ms(self.backward_s)}",
             f"collectives of rank {busiest} per step:",
-            f"  {'name':<26} {'kind':<16} {'axes':<8} {'pass':<8} {'calls':>5} {'bytes':>12}",
+            f"  {'name':<26} {'travels as':<16} {'axes':<8} {'pass':<8} {'calls':>5} {'bytes':>12}",
         ]
         for (name, kind, axes, pass_), (n, b) in sorted(self.by_collective(busiest).items(),
                                                         key=lambda kv: (kv[0][3] != "forward", kv[0])):
             lines.append(f"  {name:<26} {kind:<16} {'/'.join(axes):<8} {pass_:<8} {n:>5} {b:>12,}")
         if not self.comm.get(busiest):
             lines.append("  (none)")
+        else:  # 'all_to_all' under a conv's name is its halo: blocks for the neighbours only
+            lines.append("  (name: the op that called it, as spmd.comm_stats() records it; "
+                         "a halo travels as an all_to_all to the neighbours)")
         grads = ", ".join(f"{b:,} B {dtype_str(d)}" for d, b in self.grad_bytes.items())
         lines.append(f"gradient all-reduce on processes: {grads or 'none (no parameters)'}"
                      f" over {'/'.join(self.axis_names)} (modelled; threads share the weights)")

@@ -73,6 +73,20 @@ def test_bytes_per_rank_and_per_collective_equal_a_direct_run():
     assert est.forward_s > 0 and est.backward_s > 0
 
 
+def test_the_table_names_each_collective_as_comm_stats_records_it():
+    """A conv's halo is listed under the conv's name, the name comm_stats() queries
+    take, and says how it travels."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    x = torch.randn(1, 2, 13, 8)
+    est = spmd.estimate(demo.make_model(hidden=4), mesh, SPEC, x, **FAST)
+    rows = [ln.split() for ln in est.table().splitlines() if ln.strip().startswith("conv2d")]
+    assert {(r[0], r[1], r[3]) for r in rows} == {("conv2d", "all_to_all", "forward"),
+                                                  ("conv2d", "all_to_all", "backward")}
+    assert "travels as" in est.table() and "a halo travels as an all_to_all" in est.table()
+    direct = _direct(demo.make_model(hidden=4), mesh, SPEC, x)
+    assert {rec[0] for recs in direct.values() for rec in recs} == {"conv2d"}
+
+
 def test_a_function_body_on_a_2d_mesh_matches_comm_stats_and_finds_its_weights():
     w = torch.randn(5, requires_grad=True)
     w.grad = torch.ones(5)  # estimate leaves it as it was
