@@ -57,6 +57,7 @@ from .collectives import (
     psum,
     psum_scatter,
 )
+from .comm.rank_threads import manual_seed
 from .comm.stats import CommStats, comm_stats
 from .core import CommAborted, CommError, CommTimeout, Layout, Mesh, P, Placeholder, SpecError
 from .mapping import shard_map
@@ -93,7 +94,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Mesh", "P", "Layout", "Placeholder", "Sharded",
-    "shard_map", "launch", "visualize", "custom_vjp", "comm_stats", "CommStats",
+    "shard_map", "launch", "manual_seed", "visualize", "custom_vjp", "comm_stats", "CommStats",
     "halo_pad", "halo_trim", "reduce", "redistribute", "scatter", "gather", "backward",
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",

@@ -17,12 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..core._context import RankContext
-from ..core.errors import CommAborted, CommTimeout, check_timeout, tag_rank
+from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, tag_rank
 from ..core.mesh import Mesh
 from . import comm_of
 from .threads import _tls
 
-__all__ = ["run_on_threads"]
+__all__ = ["run_on_threads", "manual_seed"]
 
 
 _GRACE = 1.0  # seconds the other ranks get to finish once one has failed
@@ -36,22 +36,32 @@ _RANDOM = frozenset({
     "exponential_", "geometric_", "cauchy_", "log_normal_", "random_", "multinomial",
     "poisson", "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
     "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
-    "native_dropout"})
+    "native_dropout", "binomial", "_standard_gamma", "_sample_dirichlet",
+    "scaled_dot_product_attention", "multi_head_attention_forward", "kaiming_uniform_"})
 _rng_lock = threading.Lock()
+# The shared generator's state as the last rank draw left it (guarded by _rng_lock). A
+# rank draw that finds it changed knows that code on some thread drew from or seeded
+# the generator the rank threads share: seeds and draws would then depend on thread
+# timing, so it raises instead.
+_left: list[torch.Tensor | None] = [None]
+_active = threading.local()  # .mode: the _RankRandom of this rank thread, if any
 
 
 class _RankRandom(TorchFunctionMode):
     """Random draws of one rank thread from its own generator state (CPU).
 
-    Rank threads share torch's one default generator, so their draws interleave in
-    whatever order the threads run: dropout in a body was not reproducible under a fixed
-    seed. Each rank gets a state seeded from one draw of the caller's generator, so a
-    seeded program gives the same masks every run, and ranks draw independently, as
-    processes with their own seeds do.
+    Rank threads share torch's one default generator, so their draws would interleave in
+    whatever order the threads run. Each rank gets a state seeded from one draw of the
+    caller's generator, so a seeded program gives the same draws every run, and ranks
+    draw independently, as processes with their own seeds do; ``spmd.manual_seed``
+    seeds one rank's state, as ``torch.manual_seed`` seeds a process's.
     """
 
     def __init__(self, seed: int):
         super().__init__()
+        self.seed(seed)
+
+    def seed(self, seed: int) -> None:
         g = torch.Generator()
         g.manual_seed(seed)
         self.state = g.get_state()
@@ -62,12 +72,61 @@ class _RankRandom(TorchFunctionMode):
             return func(*args, **kwargs)
         with _rng_lock:
             saved = torch.get_rng_state()
+            if _left[0] is not None and not torch.equal(saved, _left[0]):
+                _left[0] = saved  # report once; the next draw starts afresh
+                raise SpecError(
+                    "torch's shared random generator changed while rank threads ran: "
+                    "torch.manual_seed (or set_rng_state, or a draw spmd does not route "
+                    "per rank) on a rank thread acts on the one generator every rank "
+                    "thread shares, so its effect would depend on thread timing; seed "
+                    "a rank with spmd.manual_seed(seed), which seeds its own generator "
+                    "(on processes it is torch.manual_seed)")
             torch.set_rng_state(self.state)
             try:
                 return func(*args, **kwargs)
             finally:
                 self.state = torch.get_rng_state()
                 torch.set_rng_state(saved)
+                _left[0] = saved
+
+    def __enter__(self):
+        self._outer = getattr(_active, "mode", None)
+        _active.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _active.mode = self._outer
+        return super().__exit__(*exc)
+
+
+def manual_seed(seed: int) -> None:
+    """Seed the calling rank's random generator: ``torch.manual_seed`` for one rank.
+
+    On a rank thread of a threads mesh (``spmd.launch``, a ``shard_map`` body, with the
+    mesh's default ``rng="per_rank"``) each rank draws from a generator of its own, and
+    this seeds it; ``torch.manual_seed`` there would seed the one generator all rank
+    threads share (spmd raises at the next draw rather than let thread timing decide).
+    Elsewhere (processes, ordinary code) it is ``torch.manual_seed(seed)``.
+
+    Args:
+        seed: the seed, an int.
+
+    Example:
+        >>> def per_rank(mesh):
+        ...     spmd.manual_seed(0)                     # every rank: the same draws
+        ...     return torch.randn(2)
+        >>> a, b = spmd.launch(per_rank, (2,), ("sp",))
+        >>> one_device = torch.randn(2, generator=torch.Generator().manual_seed(0))
+        >>> torch.equal(a, b) and torch.equal(a, one_device)
+        True
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"manual_seed: seed must be an int, got {type(seed).__name__}")
+    mode = getattr(_active, "mode", None)
+    if mode is None:
+        torch.manual_seed(seed)
+    else:
+        mode.seed(seed)
 
 
 def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | None = None,
@@ -98,6 +157,8 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
         # one draw of the caller's generator seeds every rank's own (reproducible)
         if rank_rng and mesh.size > 1:
             batch.seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+            with _rng_lock:
+                _left[0] = torch.get_rng_state()
         workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
                    else _take_workers(mesh.size - 1))
         for rank, w in enumerate(workers, 1):

@@ -72,13 +72,14 @@ class Mesh:
             rank's random draws (dropout, ``torch.rand``, ...) come from a generator of
             its own, seeded by one draw of the caller's generator at each call, so a
             seeded program is reproducible and ranks draw independently, as processes
-            do (``torch.manual_seed`` inside the body does not reach it). It routes every
+            do; ``spmd.manual_seed`` seeds one rank's generator (``torch.manual_seed``
+            on a rank thread would seed the shared one: the next draw raises). The
+            per-rank programs of ``spmd.launch`` draw the same way. It routes every
             torch call on the rank threads through Python, which the threads then take
             turns for: on 2 cores a trivial 8-rank shard_map call takes 1.4x as long
             (``benchmarks/shard_map_overhead.py``), the demo's 4-rank step 5-15 % longer.
             ``"shared"``: torch's one
-            generator, drawn in whatever order the threads run, as in per-rank programs
-            of ``spmd.launch`` (seed and draw under a lock there). Processes always have
+            generator, drawn in whatever order the threads run. Processes always have
             their own.
 
     Example:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..collectives.primitives import psum
+from ..comm.rank_threads import manual_seed
 from ..comm.stats import CommStats, comm_stats
 from ..core.mesh import Mesh
 from ..core.spec import P
@@ -134,13 +135,14 @@ def make_model(hidden: int = 16, layers: int = 3, seed: int = 0, *,
                device: torch.device | str | None = None) -> HeatCNN:
     """A ``HeatCNN`` with seeded initial weights (same seed, same weights).
 
-    Seeds torch's global RNG: call it on the main thread, not inside rank threads.
+    Seeds with ``spmd.manual_seed``: torch's generator in a process, the rank's own on a
+    rank thread, so every rank that builds one gets the same weights.
 
     Example:
         >>> sum(p.numel() for p in make_model(hidden=4).parameters())
         261
     """
-    torch.manual_seed(seed)
+    manual_seed(seed)
     return HeatCNN(hidden, layers).to(device=device, dtype=dtype)
 
 

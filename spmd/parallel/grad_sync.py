@@ -127,7 +127,7 @@ class GradSync:
 
     Example:
         >>> def train(mesh):
-        ...     torch.manual_seed(0)                 # the same weights on every rank
+        ...     spmd.manual_seed(0)                  # the same weights on every rank
         ...     model = torch.nn.Linear(3, 1)
         ...     sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean"})
         ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -28,6 +28,11 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
             (one process per rank on 127.0.0.1, a free port, torch.distributed/gloo).
         timeout: seconds for each collective wait and for the whole run to finish.
 
+    On threads every rank draws random numbers from a generator of its own (seeded from
+    one draw of the caller's), as a process would; seed a rank with
+    ``spmd.manual_seed``: ``torch.manual_seed`` on a rank thread would seed the
+    generator all ranks share, and the next draw raises.
+
     Returns:
         ``[fn(mesh, *args) on rank 0, on rank 1, ...]``.
 
@@ -47,7 +52,7 @@ def launch(fn: Callable[..., Any], mesh_shape: Sequence[int] | int,
         mesh = Mesh(mesh_shape, axis_names, backend="threads", timeout=timeout)
         # Threads of their own that end with the run: launch leaves nothing behind.
         return run_on_threads(mesh, lambda rank: fn(mesh, *args), timeout=timeout,
-                              own_threads=True)
+                              own_threads=True, rank_rng=True)
     if backend == "gloo":
         from .processes import launch_processes
         return launch_processes(fn, mesh_shape, axis_names, args=args, timeout=timeout)

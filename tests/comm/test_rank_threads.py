@@ -132,6 +132,61 @@ def test_dropout_on_rank_threads_is_reproducible_under_a_seed():
     assert not torch.equal(f(torch.ones(4 * 256)), runs[0])
 
 
+def test_spmd_manual_seed_seeds_each_rank_like_a_process():
+    """Every rank seeded alike draws what one device seeded alike draws, in launch's
+    per-rank programs and in shard_map bodies, whatever order the threads run in."""
+    def per_rank(mesh):
+        spmd.manual_seed(5)
+        return torch.randn(3), torch.nn.Linear(4, 2).weight.detach()
+
+    want = (torch.randn(3, generator=torch.Generator().manual_seed(5)),)
+    torch.manual_seed(5)
+    torch.randn(3)
+    want += (torch.nn.Linear(4, 2).weight.detach(),)
+    for _ in range(5):
+        for got in spmd.launch(per_rank, (4,), ("sp",)):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    def body(x):
+        spmd.manual_seed(int(spmd.axis_index("sp")))  # a seed per rank, by choice
+        return x + torch.rand(x.shape)
+    mesh = spmd.Mesh((3,), ("sp",))
+    out = spmd.shard_map(body, mesh, P("sp"), P("sp"))(torch.zeros(6))
+    assert torch.equal(out, torch.cat([torch.rand(2, generator=torch.Generator().manual_seed(r))
+                                       for r in range(3)]))
+
+
+def test_spmd_manual_seed_outside_rank_threads_is_torch_manual_seed():
+    spmd.manual_seed(3)
+    a = torch.rand(2)
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.rand(2))
+    with pytest.raises(TypeError, match="seed must be an int, got float"):
+        spmd.manual_seed(1.5)
+
+
+@pytest.mark.parametrize("where", ["launch", "shard_map"])
+def test_torch_manual_seed_on_a_rank_thread_raises_at_the_next_draw(where):
+    """torch.manual_seed on a rank thread seeds the generator every rank thread shares:
+    which rank's seed a draw sees would depend on thread timing, so the draw raises."""
+    msg = r"torch's shared random generator changed while rank threads ran.*spmd\.manual_seed"
+    if where == "launch":
+        def per_rank(mesh):
+            torch.manual_seed(0)
+            return torch.nn.Linear(3, 3).weight
+        with pytest.raises(spmd.SpecError, match=msg):
+            spmd.launch(per_rank, (2,), ("sp",))
+    else:
+        def body(x):
+            torch.manual_seed(0)
+            return torch.nn.functional.dropout(x, 0.5)
+        with pytest.raises(spmd.SpecError, match=msg):
+            spmd.shard_map(body, spmd.Mesh((2,), ("sp",)), P("sp"), P("sp"))(torch.ones(4))
+    # seeding and drawing outside rank threads is untouched, and the next run is clean
+    torch.manual_seed(0)
+    assert spmd.launch(lambda mesh: torch.rand(1).shape, (2,), ("sp",)) == [(1,), (1,)]
+
+
 def test_rng_shared_opts_out_and_bad_values_are_refused():
     mesh = spmd.Mesh((2,), ("sp",), rng="shared")
     f = spmd.shard_map(lambda x: torch.rand(x.shape) + x, mesh, P("sp"), P("sp"))

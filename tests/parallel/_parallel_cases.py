@@ -15,7 +15,6 @@ over ``sp`` (the CNN's head, after a psum of pooled features), each sp rank cont
 from __future__ import annotations
 
 import copy
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,6 @@ import spmd
 from spmd import P
 
 F64 = torch.float64
-_rng_lock = threading.Lock()
 
 
 class MLP(nn.Module):
@@ -162,7 +160,8 @@ def train(mesh, model, x, y, kind, axes, opt, steps, cfg=None):
     cfg = dict(cfg or {})
     micro = cfg.pop("micro", 1)
     zero = cfg.pop("zero", "optimizer")
-    model = copy.deepcopy(model)
+    # a model, copied; or a function that builds this rank's own (per-rank seeding)
+    model = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     sync = spmd.parallel.GradSync(model, mesh, axes, **cfg)
     o = _optimizer(opt, model.parameters())
     sync.attach(o)
@@ -187,6 +186,12 @@ def train(mesh, model, x, y, kind, axes, opt, steps, cfg=None):
             plans.append([(str(b.dtype), b.names) for b in sync.buckets])
     grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     return [p.detach() for p in model.parameters()], grads, plans, started
+
+
+def seeded_mlp(seed: int = 3) -> nn.Module:
+    """An MLP built after seeding this rank's generator, as a per-rank script does."""
+    spmd.manual_seed(seed)
+    return MLP().double()
 
 
 def train_single(model, x, y, kind, opt, steps):
@@ -279,9 +284,8 @@ def startup(mesh, init, seed_by_rank, shape_by_rank=False):
     """Per-rank: a model built from a per-rank seed (or shape); GradSync with ``init``;
     returns the parameters and buffers, or the error message."""
     width = 4 + mesh.rank if shape_by_rank else 4
-    with _rng_lock:  # rank threads share torch's RNG
-        torch.manual_seed(mesh.rank if seed_by_rank else 0)
-        model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width), nn.Linear(width, 2))
+    spmd.manual_seed(mesh.rank if seed_by_rank else 0)  # this rank's own generator
+    model = nn.Sequential(nn.Linear(3, width), nn.BatchNorm1d(width), nn.Linear(width, 2))
     model[1].running_mean.add_(mesh.rank if seed_by_rank else 0)
     try:
         spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, init=init)
@@ -406,9 +410,8 @@ def field_train(mesh, model, x, y, init_seed, steps=2):
     (varying over "sp"); GradSync {"dp": "mean", "sp": "sum"}; SGD steps."""
     model = copy.deepcopy(model)
     lay = spmd.Layout(model.pos.shape, P("sp"), mesh)
-    with _rng_lock:
-        torch.manual_seed(init_seed + mesh.rank)
-        model.lin = nn.Linear(6, 3).double()
+    spmd.manual_seed(init_seed + mesh.rank)
+    model.lin = nn.Linear(6, 3).double()
     model.pos = nn.Parameter(lay.shard(model.pos.detach(), mesh.rank).clone())
     sync = spmd.parallel.GradSync(model, mesh, {"dp": "mean", "sp": "sum"},
                                   varying={"pos": "sp"})
@@ -440,9 +443,8 @@ def field_single(model, lin, x, y, steps=2):
 def startup_2d(mesh, init, by):
     """Per-rank on ("dp", "sp"): weights from a seed that differs over ``by`` ("sp" or
     "dp"); GradSync over "dp" only. Returns the weights after construction, or the error."""
-    with _rng_lock:
-        torch.manual_seed(mesh.axis_index(by))
-        model = nn.Linear(3, 2)
+    spmd.manual_seed(mesh.axis_index(by))
+    model = nn.Linear(3, 2)
     try:
         spmd.parallel.GradSync(model, mesh, {"dp": "mean"}, init=init)
     except spmd.SpecError as e:

@@ -31,6 +31,7 @@ from _parallel_cases import (
     loss,
     make,
     only_dp0,
+    seeded_mlp,
     shifting,
     startup,
     startup_2d,
@@ -133,6 +134,21 @@ def test_training_matches_single_device(kind, opt, shape, names, axes):
     cfg = dict(first_bucket_cap_mb=1e-4, bucket_cap_mb=4e-4)
     got = spmd.launch(train, shape, names, args=(model, x, y, kind, axes, opt, 3, cfg))
     check_train(got, train_single(model, x, y, kind, opt, 3), TOL)
+
+
+def test_per_rank_seeding_builds_one_devices_model_every_time():
+    """Each rank seeds its own generator and builds its own model, as a torchrun script
+    does; init="verify" proves the ranks agree (no broadcast to hide a difference), and 20
+    runs on rank threads equal one device seeded alike, whatever the threads' timing."""
+    torch.manual_seed(3)
+    model = MLP().double()
+    _, x, y = make("mlp", seed=1)
+    want = train_single(model, x, y, "mlp", "adam", 2)
+    for _ in range(20):
+        got = spmd.launch(train, (2, 2), ("dp", "sp"),
+                          args=(seeded_mlp, x, y, "mlp", {"dp": "mean", "sp": "sum"}, "adam",
+                                2, {"init": "verify"}))
+        check_train(got, want, TOL)
 
 
 @pytest.mark.parametrize("zero", ["optimizer", "zeros", "sync"])
@@ -601,7 +617,7 @@ def test_psum_inside_backward_and_rank_local_unused_parameters(shape, names, sch
 
 
 def _pending_after_backward(mesh):
-    torch.manual_seed(0)
+    spmd.manual_seed(0)
     model = Heads()
     sync = spmd.parallel.GradSync(model, mesh, "dp", **TINY)
     x = torch.randn(2, 3, dtype=torch.float64)
@@ -691,7 +707,7 @@ def test_bucket_cap_alone_bounds_the_first_bucket_too():
 
 
 def _reentrant(mesh, first_checkpointed):
-    torch.manual_seed(0)
+    spmd.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).double()
     sync = spmd.parallel.GradSync(model, mesh, "dp", **TINY)
     x = torch.randn(4, 3, dtype=torch.float64)

@@ -193,11 +193,12 @@ def test_step_is_the_sum_of_its_parts_and_strong_efficiency_its_formula():
     model = demo.make_model(hidden=4)
     est = spmd.estimate(model, spmd.Mesh((2,), ("sp",)), SPEC, torch.randn(1, 2, 8, 8), **FAST)
     slow = Network(1e-3, 1e6, name="slow")
-    p = est.predict(4, network=slow, compute_scale=10.0)
+    # compute / 1000: on a loaded machine the measured compute can hide every halo
+    p = est.predict(4, network=slow, compute_scale=1000.0)
     assert p.step_s == pytest.approx(p.forward_s + p.backward_s + p.comm_s + p.grad_sync_s,
                                      rel=1e-12)
     assert p.efficiency == pytest.approx(p.serial_s / (4 * p.step_s), rel=1e-12)
-    assert "compute divided by 10" in p.notes[-1] and p.network == "slow"
+    assert "compute divided by 1000" in p.notes[-1] and p.network == "slow"
     # every collective's time is exposed or hidden (2 neighbours vs 1: twice the halo)
     assert p.comm_s + p.hidden_s == pytest.approx(sum(
         c.time(slow, 4) for c in est.comm[0]) * 2, rel=1e-12)
