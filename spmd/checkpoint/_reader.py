@@ -6,6 +6,11 @@ it, so a rank that needs a quarter of a stored chunk reads all of it. :class:`Sh
 reads the archive's zip directory and its small ``data.pkl`` (a few hundred bytes), finds
 where the chunk's raw bytes lie, and reads just the contiguous runs of the requested box.
 Anything it does not recognise is read the stock way.
+
+Nothing is unpickled beyond data: the metadata by ``_metadata.read_metadata``, a chunk's
+``data.pkl`` by an unpickler that builds nothing, anything else by
+``torch.load(weights_only=True)``. The checksums ``save`` records are verified on the
+bytes read (``_checksums.py``).
 """
 from __future__ import annotations
 
@@ -26,19 +31,19 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from . import _checksums as C
+from ._metadata import CorruptCheckpointError, inside, read_metadata
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 __all__ = ["ShardReader", "CorruptCheckpointError"]
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A stored item is not what its checkpoint metadata says it is (truncated, damaged)."""
 
 
 # -- the window onto one stored item ----------------------------------------------------
@@ -329,7 +334,9 @@ def _box_runs(size: tuple[int, ...], offsets: tuple[int, ...],
 
 
 def _read_box(view: _Window, layout: _Layout, offsets: tuple[int, ...],
-              lengths: tuple[int, ...]) -> torch.Tensor:
+              lengths: tuple[int, ...], check: Any) -> torch.Tensor:
+    """The box, read run by run; ``check(start, data)`` sees each run's bytes and where
+    they start in the chunk's values."""
     numel = math.prod(lengths)
     if numel == 0:
         return torch.empty(lengths, dtype=layout.dtype)
@@ -339,7 +346,9 @@ def _read_box(view: _Window, layout: _Layout, offsets: tuple[int, ...],
     run, starts = _box_runs(layout.size, offsets, lengths)
     run_bytes, filled = run * itemsize, 0
     for start in starts:
-        view.pread_exact(layout.data_start + start * itemsize, out[filled:filled + run_bytes])
+        run_out = out[filled:filled + run_bytes]
+        view.pread_exact(layout.data_start + start * itemsize, run_out)
+        check(start * itemsize, run_out)
         filled += run_bytes
     return torch.frombuffer(buffer, dtype=layout.dtype).reshape(lengths)
 
@@ -366,6 +375,8 @@ class ShardReader(FileSystemReader):
         overhead_bytes: zip directories, local headers and pickles read to find the boxes,
             and bytes items (pickled Python values).
         fallbacks: tensor items read the stock way.
+        verified_bytes: bytes read that were checked against the checksums ``save``
+            recorded (tensor values and Python values; 0 for plain DCP checkpoints).
 
     Example (one process; ``no_dist`` makes DCP warn that it assumes so):
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp
@@ -378,16 +389,28 @@ class ShardReader(FileSystemReader):
         (tensor([0., 1., 2.]), 32, 0)
     """
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, metadata: Metadata | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self._metadata: Metadata | None = None
+        self._read = metadata  # read and checked already (store.py)
         self.reset_counters()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, read as data and checked (``_metadata.py``); never
+        ``pickle.load``."""
+        md = self._read if self._read is not None else read_metadata(os.fspath(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def reset_counters(self) -> None:
         """Set ``payload_bytes``, ``overhead_bytes`` and ``fallbacks`` to 0."""
         self.payload_bytes = 0
         self.overhead_bytes = 0
         self.fallbacks = 0
+        self.verified_bytes = 0
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -404,7 +427,9 @@ class ShardReader(FileSystemReader):
                                 []).append(req)
         layouts: dict[MetadataIndex, _Layout | None] = {}  # a chunk read by several reqs
         for relative_path, reqs in per_file.items():
-            path = self.fs.concat_path(self.path, relative_path)
+            # read_metadata checked this; the metadata may come from elsewhere (a planner)
+            path = inside(os.fspath(self.path), relative_path,
+                          f"checkpoint {os.fspath(self.path)!r}")
             # Unbuffered: a byte counted is a byte asked of the OS, and a column strip does
             # not pull a buffer's worth of neighbours with each row.
             with open(path, "rb", buffering=0) as raw:
@@ -428,10 +453,21 @@ class ShardReader(FileSystemReader):
         # self.transforms (FileSystemReader's stream-transform extensions, experimental) is
         # applied to every item read the stock way, as FileSystemReader.read_data does.
         if req.type == LoadItemType.BYTE_IO:
-            stream = self.transforms.transform_load_stream(req, transforms, view)
-            data = io.BytesIO(stream.read(-1))
+            if transforms:
+                stream = self.transforms.transform_load_stream(req, transforms, view)
+                data = io.BytesIO(stream.read(-1))
+            else:
+                raw = bytearray(info.length)
+                view.read_exact(0, memoryview(raw))
+                self._verify(info, 0, memoryview(raw), info.length, where)
+                data = io.BytesIO(raw)
             self.overhead_bytes += view.nread  # a pickled Python value, not tensor data
-            planner.load_bytes(req, data)
+            try:
+                planner.load_bytes(req, data)
+            except Exception as e:  # noqa: BLE001 - torch.load(weights_only) refused it
+                raise CorruptCheckpointError(
+                    f"{where}: the stored Python value cannot be read with "
+                    f"torch.load(weights_only=True) ({type(e).__name__}: {e})") from None
             return
 
         if index not in layouts:
@@ -443,7 +479,10 @@ class ShardReader(FileSystemReader):
         if layout is not None and len(offsets) == len(layout.size) and all(
                 0 <= o and 0 <= n and o + n <= s
                 for o, n, s in zip(offsets, lengths, layout.size)):
-            tensor = _read_box(view, layout, offsets, lengths)
+            total = math.prod(layout.size) * layout.dtype.itemsize
+            tensor = _read_box(view, layout, offsets, lengths,
+                               lambda start, data: self._verify(info, start, data, total,
+                                                                where))
         else:
             self.fallbacks += 1
             view.seek(0)  # the probe moved it; torch.load reads from where the stream is
@@ -454,16 +493,43 @@ class ShardReader(FileSystemReader):
                 whole = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as e:
                 raise CorruptCheckpointError(f"{view.where}: torch.load failed: {e}") from e
+            self._check_whole(whole, info, index, where)
             tensor = _narrow(whole, offsets, lengths)
         self.payload_bytes += view.nread
 
         # As FileSystemReader.read_data does: copy_ converts dtype, commit_tensor finishes.
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
-            raise AssertionError(
-                f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+            raise CorruptCheckpointError(
+                f"{where}: the stored chunk gives a box of size {list(tensor.size())} where "
+                f"the metadata says {list(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+    def _verify(self, info: Any, start: int, data: memoryview, total: int, where: str) -> None:
+        done, bad = C.verify(info, start, data, total)
+        self.verified_bytes += done
+        if bad is not None:
+            raise CorruptCheckpointError(
+                f"{where}: checksum mismatch in bytes [{bad[0]}, {bad[1]}) of the stored "
+                f"values; the file was damaged after it was written")
+
+    def _check_whole(self, whole: Any, info: Any, index: MetadataIndex, where: str) -> None:
+        """A chunk read the stock way: it must be the tensor the metadata describes, and
+        match its checksums (which cover its values in C order)."""
+        md = self._metadata.state_dict_metadata.get(index.fqn) if self._metadata else None
+        chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())),
+                     None) if isinstance(md, TensorStorageMetadata) else None
+        if not isinstance(whole, torch.Tensor) or (chunk is not None and (
+                tuple(whole.shape) != tuple(chunk.sizes)
+                or whole.dtype != md.properties.dtype)):
+            got = (f"{whole.dtype} {list(whole.shape)}" if isinstance(whole, torch.Tensor)
+                   else type(whole).__name__)
+            raise CorruptCheckpointError(f"{where}: the stored chunk is a {got}, not what "
+                                         f"the metadata says")
+        if C.stored(info) is not None:
+            values = whole.resolve_conj().resolve_neg().contiguous()
+            self._verify(info, 0, C.tensor_bytes(values), values.nbytes, where)
 
     def _fast_layout(self, view: _Window, index: MetadataIndex) -> _Layout | None:
         """The item's layout if it is the chunk the metadata describes, else None."""

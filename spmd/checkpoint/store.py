@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
 import os
 import re
@@ -23,7 +24,6 @@ from typing import Any
 import optree
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -35,8 +35,10 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
 from ..transforms.sharded import Sharded, held_ranks
+from . import _checksums as C
 from . import entries as E
 from . import versions as V
+from ._metadata import CorruptCheckpointError, inside, read_metadata
 from ._reader import ShardReader
 from .load_plan import plan_load
 from .planners import ChunkLoadPlanner, ChunkSavePlanner
@@ -137,12 +139,15 @@ class ReadStats:
 
     ``payload_bytes``: tensor data; ``overhead_bytes``: DCP's and torch.save's headers,
     Python values and the tree record; ``full_reads``: stored chunks read whole because
-    they could not be read in part (written by other tools, or compressed).
+    they could not be read in part (written by other tools, or compressed);
+    ``verified_bytes``: bytes read that matched the checksums ``save`` recorded (see
+    ``docs/checkpoints.md``: a part of a chunk is verified block by block).
     """
 
     payload_bytes: int = 0
     overhead_bytes: int = 0
     full_reads: int = 0
+    verified_bytes: int = 0
 
 
 _stats: OpenRecords[ReadStats] = OpenRecords()
@@ -165,11 +170,12 @@ def read_stats() -> Iterator[ReadStats]:
         yield st
 
 
-def _count(payload: int, overhead: int, full: int) -> None:
+def _count(payload: int, overhead: int, full: int, verified: int) -> None:
     def add(s: ReadStats) -> None:
         s.payload_bytes += payload
         s.overhead_bytes += overhead
         s.full_reads += full
+        s.verified_bytes += verified
     _stats.each(add)
 
 
@@ -202,52 +208,88 @@ def _quiet() -> Iterator[None]:
 
 def _run(mesh: Mesh, job: Any, what: str) -> Any:
     """Agree on ``job.local_check()`` (a digest of what must match, and this rank's
-    error), then run ``job.run(held, jobs)`` once per process (``jobs``: every rank
-    thread's own, on rank threads; else None).
+    error) and on ``job.place()`` (the directory, resolved), then run
+    ``job.run(held, jobs)`` once per process (``jobs``: every rank thread's own, on rank
+    threads; else None).
 
-    Processes: one all_gather of (digest, failed) so every rank raises when any rank
-    would, then DCP's own collectives. Rank threads: one exchange; its last arrival runs
-    the whole job for every rank (one DCP call in this process) and each rank takes its
-    part. Ordinary code on a threads mesh: this process holds every rank.
+    Processes: one all_gather of (digest, failed, hash of the place) so every rank raises
+    when any rank would (a second one, of the places, only to name them when they
+    differ), then DCP's own collectives. Rank threads: one exchange; its last arrival
+    runs the whole job for every rank (one DCP call in this process) and each rank takes
+    its part. Ordinary code on a threads mesh: this process holds every rank.
     """
     digest, err = job.local_check()
+    place = job.place()
     if mesh.backend == "torch":
         comm = comm_of(mesh)
         group = mesh.group(mesh.axis_names)
-        mine = torch.tensor([digest, 0 if err is None else 1], dtype=torch.int64,
-                            device=mesh.device)
+        ranks = list(group.ranks)
+        mine = torch.tensor([digest, 0 if err is None else 1, _fingerprint(place)],
+                            dtype=torch.int64, device=mesh.device)
         rows = [t.tolist() for t in comm.all_gather(mine, group, 0, name=what)]
-        _agree(rows, err, what, list(group.ranks))
+        _agree_failures(rows, err, what, ranks)
+        if len({row[2] for row in rows}) > 1:
+            raw = torch.tensor(list(place.encode()), dtype=torch.uint8, device=mesh.device)
+            got = comm.all_gather(raw, group, 0, name=what)
+            _agree_places({r: bytes(t.tolist()).decode(errors="replace")
+                           for r, t in zip(ranks, got)}, what)
+        _agree_digests(rows, what, ranks)
         return job.run((mesh.rank,), None)
     if not in_rank_of(mesh):
         if err is not None:
-            raise SpecError(err)
+            raise err
         return job.run(tuple(range(mesh.size)), None)
     comm = comm_of(mesh)
     group = mesh.group(mesh.axis_names)
     rank = mesh.rank
 
     def combine(payloads: list) -> Any:
-        rows = [[p[0], 0 if p[1] is None else 1] for p in payloads]
         errs = {r: p[1] for r, p in zip(group.ranks, payloads) if p[1] is not None}
         if errs:
             r0 = min(errs)
-            raise SpecError(errs[r0] if len(errs) == 1 else
-                            f"{errs[r0]} (and on ranks {sorted(errs)[1:]})")
-        _agree(rows, None, what, list(group.ranks))
+            raise _again(errs[r0], str(errs[r0]) if len(errs) == 1 else
+                         f"{errs[r0]} (and on ranks {sorted(errs)[1:]})")
+        _agree_places({r: p[2].place() for r, p in zip(group.ranks, payloads)}, what)
+        _agree_digests([[p[0]] for p in payloads], what, list(group.ranks))
         return payloads[0][2].run(tuple(group.ranks), [p[2] for p in payloads])
 
     out = comm.exchange(group, what, (digest, err, job), name=what, combine=combine)
     return out[rank] if isinstance(out, dict) else out
 
 
-def _agree(rows: list[list[int]], err: str | None, what: str, ranks: list[int]) -> None:
+def _again(err: SpecError, message: str) -> SpecError:
+    """``err``'s kind of error (a damaged file stays a CorruptCheckpointError) with
+    ``message``, to raise on every rank."""
+    return (type(err) if isinstance(err, SpecError) else SpecError)(message)
+
+
+def _fingerprint(place: str) -> int:
+    return int.from_bytes(hashlib.blake2b(place.encode(), digest_size=7).digest(), "little")
+
+
+def _agree_failures(rows: list[list[int]], err: SpecError | None, what: str,
+                    ranks: list[int]) -> None:
     failed = [r for r, row in zip(ranks, rows) if row[1]]
     if err is not None:
-        raise SpecError(err)
+        raise err
     if failed:
         raise SpecError(f"{what}: ranks {failed} cannot run this call (each of them raised "
                         f"the reason); nothing was read or written")
+
+
+def _agree_places(places: dict[int, str], what: str) -> None:
+    if len(set(places.values())) <= 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for r, p in places.items():
+        groups.setdefault(p, []).append(r)
+    said = "; ".join(f"ranks {rs}: {p!r}" for p, rs in groups.items())
+    raise SpecError(f"{what}: the ranks were given different checkpoint directories ({said}); "
+                    f"every rank must pass the same directory, on a filesystem they share; "
+                    f"nothing was written")
+
+
+def _agree_digests(rows: list[list[int]], what: str, ranks: list[int]) -> None:
     digests = {row[0] for row in rows}
     if len(digests) > 1:
         groups: dict[int, list[int]] = {}
@@ -266,7 +308,11 @@ class _SaveJob:
     def __init__(self, ents: list[E.Entry], tree: Any, root: str, mesh: Mesh, keep: int):
         self.ents, self.tree, self.root, self.mesh, self.keep = ents, tree, root, mesh, keep
 
-    def local_check(self) -> tuple[int, str | None]:
+    def place(self) -> str:
+        """The directory, resolved: the ranks must agree on it."""
+        return os.path.realpath(self.root)
+
+    def local_check(self) -> tuple[int, SpecError | None]:
         err = None
         held = set(held_ranks(self.mesh))
         try:
@@ -287,7 +333,7 @@ class _SaveJob:
                     _check_loadable(e.value, f"{e.key!r} ({describe(e.value)})")
             _check_loadable(self.tree, "the state's structure (its containers)")
         except SpecError as ex:
-            err = str(ex)
+            err = ex
         objects = [e.value for e in self.ents if e.kind == "object"]
         return E.digest([E.structure(self.ents), objects, _sums(self.ents)]), err
 
@@ -327,7 +373,7 @@ class _SaveJob:
         target = os.path.join(self.root, version)
         dist = mesh.backend == "torch"
         with _quiet():
-            dcp.save({}, storage_writer=FileSystemWriter(target, sync_files=True),
+            dcp.save({}, storage_writer=C.ChecksumWriter(target, sync_files=True),
                      planner=ChunkSavePlanner(tensors, blobs), no_dist=not dist)
         if 0 in held:
             V.commit(self.root, version, self.keep)
@@ -384,16 +430,19 @@ class _LoadJob:
     def __init__(self, ents: list[E.Entry], treedef: Any, path: str, mesh: Mesh):
         self.ents, self.treedef, self.path, self.mesh = ents, treedef, path, mesh
 
-    def local_check(self) -> tuple[int, str | None]:
+    def place(self) -> str:
+        return ""  # ranks may read the same checkpoint through different paths
+
+    def local_check(self) -> tuple[int, SpecError | None]:
         err = None
         try:
             self.dir = V.read_dir(self.path)
-            self.md = FileSystemReader(self.dir).read_metadata()
+            self.md = read_metadata(self.dir)
             self.saved = _read_tree(self.dir, self.md)
             self.plan = plan_load(self.ents, self.md, self.saved, self.mesh,
                                    held_ranks(self.mesh), self.dir)
         except SpecError as ex:
-            err = str(ex)
+            err = ex
         return E.digest([E.structure(self.ents)]), err
 
     def run(self, held: tuple[int, ...], jobs: list[_LoadJob] | None) -> Any:
@@ -407,12 +456,12 @@ class _LoadJob:
             ents = _merge_templates([j.ents for j in jobs], held)
             plan = plan_load(ents, self.md, self.saved, self.mesh, held, self.dir)
         planner = ChunkLoadPlanner(plan.dests, plan.blobs)
-        reader = ShardReader(self.dir)
+        reader = ShardReader(self.dir, metadata=self.md)
         with _quiet():
             dcp.load({}, storage_reader=reader, planner=planner,
                      no_dist=self.mesh.backend != "torch")
         _count(reader.payload_bytes, reader.overhead_bytes + plan.tree_bytes,
-               reader.fallbacks)
+               reader.fallbacks, reader.verified_bytes + plan.tree_verified)
         leaves = plan.finish(planner.values)
         if jobs is None:
             return optree.tree_unflatten(self.treedef, leaves)
@@ -449,15 +498,30 @@ def _read_tree(d: str, md: Metadata) -> dict | None:
     info = (md.storage_data or {}).get(MetadataIndex(E.TREE_KEY))
     if info is None:
         return None
-    with open(os.path.join(d, info.relative_path), "rb") as f:
+    path = inside(d, info.relative_path, f"spmd.checkpoint.load: the tree record of {d!r}")
+    with open(path, "rb") as f:
         f.seek(info.offset)
         raw = f.read(info.length)
     if getattr(info, "transform_descriptors", None):
         raise SpecError(f"spmd.checkpoint.load: the tree record of {d!r} was written with "
                         f"stream transforms {info.transform_descriptors}; load it with "
                         f"torch.distributed.checkpoint directly")
-    out = torch.load(io.BytesIO(raw), weights_only=True)
-    out["bytes"] = len(raw)
+    where = f"{path}, item {E.TREE_KEY!r} (the state's structure and Python values)"
+    if len(raw) != info.length:
+        raise CorruptCheckpointError(f"{where}: truncated, {len(raw)} of {info.length} bytes")
+    verified, bad = C.verify(info, 0, memoryview(raw), len(raw))
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in bytes [{bad[0]}, "
+                                     f"{bad[1]}); the file was damaged after it was written")
+    try:
+        out = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as ex:  # noqa: BLE001 - damaged, or a global weights_only refuses
+        raise CorruptCheckpointError(f"{where}: cannot be read with torch.load(weights_only="
+                                     f"True) ({type(ex).__name__}: {ex})") from None
+    if not isinstance(out, dict) or "tree" not in out:
+        raise CorruptCheckpointError(f"{where}: holds a {type(out).__name__}, not the record "
+                                     f"spmd.checkpoint.save writes")
+    out["bytes"], out["verified"] = len(raw), verified
     return out
 
 
