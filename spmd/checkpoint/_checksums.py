@@ -34,8 +34,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def sums(data: memoryview, block: int = BLOCK) -> tuple[int, bytes]:
+def sums(data: memoryview, block: int | None = None) -> tuple[int, bytes]:
     """``(block, crc32 of each block of data, packed)``: the value ``save`` records."""
+    block = block or BLOCK
     return block, b"".join(zlib.crc32(data[i:i + block]).to_bytes(4, "little")
                            for i in range(0, len(data), block))
 

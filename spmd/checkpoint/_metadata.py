@@ -152,9 +152,11 @@ def read_metadata(d: str) -> Metadata:
                         f"containers; this file is damaged or was crafted to run code, and "
                         f"nothing in it was run") from None
     except Exception as ex:  # noqa: BLE001 - any failure of a damaged pickle, reworded
+        why = f"{type(ex).__name__}: {ex}" if str(ex) else \
+            "it ends before its last record" if isinstance(ex, EOFError) else type(ex).__name__
         raise CorruptCheckpointError(
-            f"{path}: cannot be read as DCP metadata ({type(ex).__name__}: {ex}); the file "
-            f"({len(raw)} bytes) is truncated or damaged") from None
+            f"{path}: cannot be read as DCP metadata ({why}); the file ({len(raw)} bytes) is "
+            f"truncated or damaged") from None
     if stream.tell() != len(raw):
         raise CorruptCheckpointError(f"{path}: {len(raw) - stream.tell()} bytes follow the "
                                      f"end of the metadata; the file is damaged")
