@@ -7,8 +7,10 @@ DCP and older spmd ignore the attribute). For a tensor chunk the bytes are its v
 C order (the bytes of the torch.save storage record, which is what a partial read
 reads); for a Python value, the item's bytes. A load verifies every block it reads
 whole: a whole chunk or value entirely; a part of a chunk, the blocks inside the runs it
-reads (the blocks at the edges of a run, read in part, are not verified). Items without
-the attribute (checkpoints written by plain DCP or older spmd) load unverified.
+reads, and those at a run's edges where reading the rest of them costs at most the run
+itself (or 4 KiB); else those edge blocks stay unverified, and ``read_stats`` counts
+them. Items without the attribute (checkpoints written by plain DCP or older spmd) load
+unverified.
 """
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.futures import Future
 
-__all__ = ["ATTR", "BLOCK", "ChecksumWriter", "fits", "stored", "sums", "tensor_bytes",
-           "verify"]
+__all__ = ["ATTR", "BLOCK", "Blocks", "ChecksumWriter", "fits", "stored", "sums",
+           "tensor_bytes"]
 
 ATTR = "spmd_crc32"
 #: Bytes per checksum: 64 KiB adds 4 bytes of metadata per 64 KiB stored (64 KiB per
@@ -55,24 +57,52 @@ def fits(info: Any, nbytes: int) -> bool:
             and type(got[1]) is bytes and len(got[1]) == 4 * -(-nbytes // got[0]))
 
 
-def verify(info: Any, start: int, data: memoryview, total: int) -> tuple[int, tuple | None]:
-    """Check the blocks of an item (``total`` bytes) that lie wholly inside ``data``, its
-    bytes from ``start`` on. Returns the bytes verified and the first block that failed,
-    ``(lo, hi)``, or None."""
-    got = stored(info)
-    if got is None or not len(data):
-        return 0, None
-    block, crcs = got
-    done = 0
-    for k in range(-(-start // block), len(crcs) // 4):
-        lo, hi = k * block, min((k + 1) * block, total)
-        if hi > start + len(data):
-            break
-        crc = zlib.crc32(data[lo - start:hi - start]).to_bytes(4, "little")
-        if crc != crcs[4 * k:4 * k + 4]:
-            return done, (lo, hi)
-        done += hi - lo
-    return done, None
+class Blocks:
+    """The checksums of one stored item (``total`` bytes) and the blocks a load has
+    verified so far; an item without checksums has none (every byte unverified)."""
+
+    def __init__(self, info: Any, total: int):
+        self.block, self.crcs = stored(info) or (0, b"")
+        self.total = total
+        self.done: set[int] = set()
+
+    def span(self, a: int, b: int, slack: int = 4096) -> tuple[int, int]:
+        """The bytes to read for the run ``[a, b)``: widened to the edges of the blocks it
+        cuts, so they can be verified, where that reads at most ``max(b - a, slack)``
+        bytes more; else ``[a, b)`` itself (its edge blocks stay unverified)."""
+        if not self.block or a >= b:
+            return a, b
+        k0, k1 = a // self.block, (b - 1) // self.block
+        lo = a if k0 in self.done else k0 * self.block
+        hi = b if k1 in self.done else min((k1 + 1) * self.block, self.total)
+        return (lo, hi) if (a - lo) + (hi - b) <= max(b - a, slack) else (a, b)
+
+    def check(self, start: int, data: memoryview) -> tuple[int, int] | None:
+        """Verify the blocks lying wholly in ``data`` (the item's bytes from ``start``);
+        the first that fails, as ``(lo, hi)``, or None."""
+        if not self.block:
+            return None
+        for k in range(-(-start // self.block), len(self.crcs) // 4):
+            lo, hi = k * self.block, min((k + 1) * self.block, self.total)
+            if hi > start + len(data):
+                break
+            if k in self.done:
+                continue
+            crc = zlib.crc32(data[lo - start:hi - start]).to_bytes(4, "little")
+            if crc != self.crcs[4 * k:4 * k + 4]:
+                return lo, hi
+            self.done.add(k)
+        return None
+
+    def unverified(self, a: int, b: int) -> int:
+        """How many of the bytes ``[a, b)`` lie in blocks not verified."""
+        if not self.block:
+            return b - a
+        out = 0
+        for k in range(a // self.block, (b - 1) // self.block + 1 if b > a else 0):
+            if k not in self.done:
+                out += min(b, (k + 1) * self.block) - max(a, k * self.block)
+        return out
 
 
 class ChecksumWriter(FileSystemWriter):

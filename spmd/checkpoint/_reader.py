@@ -334,23 +334,38 @@ def _box_runs(size: tuple[int, ...], offsets: tuple[int, ...],
 
 
 def _read_box(view: _Window, layout: _Layout, offsets: tuple[int, ...],
-              lengths: tuple[int, ...], check: Any) -> torch.Tensor:
-    """The box, read run by run; ``check(start, data)`` sees each run's bytes and where
-    they start in the chunk's values."""
+              lengths: tuple[int, ...], blocks: C.Blocks) -> tuple[torch.Tensor, int, int]:
+    """The box, read run by run and verified block by block (``blocks``); also the bytes
+    read only to complete blocks for verifying, and the box's bytes left unverified."""
     numel = math.prod(lengths)
     if numel == 0:
-        return torch.empty(lengths, dtype=layout.dtype)
+        return torch.empty(lengths, dtype=layout.dtype), 0, 0
     itemsize = layout.dtype.itemsize
     buffer = bytearray(numel * itemsize)
     out = memoryview(buffer)
     run, starts = _box_runs(layout.size, offsets, lengths)
-    run_bytes, filled = run * itemsize, 0
+    run_bytes, filled, extra, unverified = run * itemsize, 0, 0, 0
     for start in starts:
+        a, b = start * itemsize, start * itemsize + run_bytes
+        lo, hi = blocks.span(a, b)
         run_out = out[filled:filled + run_bytes]
-        view.pread_exact(layout.data_start + start * itemsize, run_out)
-        check(start * itemsize, run_out)
+        got = run_out if (lo, hi) == (a, b) else memoryview(bytearray(hi - lo))
+        view.pread_exact(layout.data_start + lo, got)
+        _checked(blocks, lo, got, view.where)
+        if got is not run_out:
+            run_out[:] = got[a - lo:b - lo]
+            extra += hi - lo - run_bytes
+        unverified += blocks.unverified(a, b)
         filled += run_bytes
-    return torch.frombuffer(buffer, dtype=layout.dtype).reshape(lengths)
+    return torch.frombuffer(buffer, dtype=layout.dtype).reshape(lengths), extra, unverified
+
+
+def _checked(blocks: C.Blocks, start: int, data: memoryview, where: str) -> None:
+    bad = blocks.check(start, data)
+    if bad is not None:
+        raise CorruptCheckpointError(
+            f"{where}: checksum mismatch in bytes [{bad[0]}, {bad[1]}) of the stored "
+            f"values; the file was damaged after it was written")
 
 
 def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...],
@@ -375,8 +390,10 @@ class ShardReader(FileSystemReader):
         overhead_bytes: zip directories, local headers and pickles read to find the boxes,
             and bytes items (pickled Python values).
         fallbacks: tensor items read the stock way.
-        verified_bytes: bytes read that were checked against the checksums ``save``
-            recorded (tensor values and Python values; 0 for plain DCP checkpoints).
+        check_bytes: bytes read only to complete a checksum block (not in a box).
+        unverified_bytes: bytes of tensor and Python values loaded that no checksum
+            covered (items without checksums; a partial read's edge blocks, see
+            ``_checksums.py``).
 
     Example (one process; ``no_dist`` makes DCP warn that it assumes so):
         >>> import tempfile, warnings, torch, torch.distributed.checkpoint as dcp
@@ -406,11 +423,12 @@ class ShardReader(FileSystemReader):
         return md
 
     def reset_counters(self) -> None:
-        """Set ``payload_bytes``, ``overhead_bytes`` and ``fallbacks`` to 0."""
+        """Set every counter to 0."""
         self.payload_bytes = 0
         self.overhead_bytes = 0
         self.fallbacks = 0
-        self.verified_bytes = 0
+        self.check_bytes = 0
+        self.unverified_bytes = 0
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -426,6 +444,7 @@ class ShardReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path,
                                 []).append(req)
         layouts: dict[MetadataIndex, _Layout | None] = {}  # a chunk read by several reqs
+        blocks: dict[MetadataIndex, C.Blocks] = {}  # and the blocks they verified
         for relative_path, reqs in per_file.items():
             # read_metadata checked this; the metadata may come from elsewhere (a planner)
             path = inside(os.fspath(self.path), relative_path,
@@ -436,13 +455,14 @@ class ShardReader(FileSystemReader):
                 # in file order: the reads move forwards
                 reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
                 for req in reqs:
-                    self._read_item(raw, path, req, planner, layouts)
+                    self._read_item(raw, path, req, planner, layouts, blocks)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _read_item(self, raw: IO[bytes], path: Any, req: ReadItem, planner: LoadPlanner,
-                   layouts: dict[MetadataIndex, _Layout | None]) -> None:
+                   layouts: dict[MetadataIndex, _Layout | None],
+                   blocks: dict[MetadataIndex, C.Blocks]) -> None:
         info: _StorageInfo = self.storage_data[req.storage_index]
         index = req.storage_index
         where = f"checkpoint file {path}, item {index.fqn!r}"
@@ -456,11 +476,14 @@ class ShardReader(FileSystemReader):
             if transforms:
                 stream = self.transforms.transform_load_stream(req, transforms, view)
                 data = io.BytesIO(stream.read(-1))
+                self.unverified_bytes += len(data.getbuffer())
             else:
-                raw = bytearray(info.length)
-                view.read_exact(0, memoryview(raw))
-                self._verify(info, 0, memoryview(raw), info.length, where)
-                data = io.BytesIO(raw)
+                blob = bytearray(info.length)
+                view.read_exact(0, memoryview(blob))
+                item = C.Blocks(info, info.length)
+                _checked(item, 0, memoryview(blob), where)
+                self.unverified_bytes += item.unverified(0, info.length)
+                data = io.BytesIO(blob)
             self.overhead_bytes += view.nread  # a pickled Python value, not tensor data
             try:
                 planner.load_bytes(req, data)
@@ -479,10 +502,13 @@ class ShardReader(FileSystemReader):
         if layout is not None and len(offsets) == len(layout.size) and all(
                 0 <= o and 0 <= n and o + n <= s
                 for o, n, s in zip(offsets, lengths, layout.size)):
-            total = math.prod(layout.size) * layout.dtype.itemsize
-            tensor = _read_box(view, layout, offsets, lengths,
-                               lambda start, data: self._verify(info, start, data, total,
-                                                                where))
+            if index not in blocks:
+                blocks[index] = C.Blocks(info, math.prod(layout.size) * layout.dtype.itemsize)
+            tensor, extra, unverified = _read_box(view, layout, offsets, lengths,
+                                                  blocks[index])
+            view.nread -= extra
+            self.check_bytes += extra
+            self.unverified_bytes += unverified
         else:
             self.fallbacks += 1
             view.seek(0)  # the probe moved it; torch.load reads from where the stream is
@@ -506,14 +532,6 @@ class ShardReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
-    def _verify(self, info: Any, start: int, data: memoryview, total: int, where: str) -> None:
-        done, bad = C.verify(info, start, data, total)
-        self.verified_bytes += done
-        if bad is not None:
-            raise CorruptCheckpointError(
-                f"{where}: checksum mismatch in bytes [{bad[0]}, {bad[1]}) of the stored "
-                f"values; the file was damaged after it was written")
-
     def _check_whole(self, whole: Any, info: Any, index: MetadataIndex, where: str) -> None:
         """A chunk read the stock way: it must be the tensor the metadata describes, and
         match its checksums (which cover its values in C order)."""
@@ -527,9 +545,10 @@ class ShardReader(FileSystemReader):
                    else type(whole).__name__)
             raise CorruptCheckpointError(f"{where}: the stored chunk is a {got}, not what "
                                          f"the metadata says")
-        if C.stored(info) is not None:
-            values = whole.resolve_conj().resolve_neg().contiguous()
-            self._verify(info, 0, C.tensor_bytes(values), values.nbytes, where)
+        values = whole.resolve_conj().resolve_neg().contiguous()
+        item = C.Blocks(info, values.nbytes)
+        _checked(item, 0, C.tensor_bytes(values), where)
+        self.unverified_bytes += item.unverified(0, values.nbytes)
 
     def _fast_layout(self, view: _Window, index: MetadataIndex) -> _Layout | None:
         """The item's layout if it is the chunk the metadata describes, else None."""

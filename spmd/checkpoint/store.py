@@ -140,14 +140,17 @@ class ReadStats:
     ``payload_bytes``: tensor data; ``overhead_bytes``: DCP's and torch.save's headers,
     Python values and the tree record; ``full_reads``: stored chunks read whole because
     they could not be read in part (written by other tools, or compressed);
-    ``verified_bytes``: bytes read that matched the checksums ``save`` recorded (see
-    ``docs/checkpoints.md``: a part of a chunk is verified block by block).
+    ``check_bytes``: bytes read only to verify a checksum block a shard cuts;
+    ``unverified_bytes``: bytes of tensors and Python values loaded that no checksum
+    covered (checkpoints without checksums; edges of partial reads, see
+    ``docs/checkpoints.md``).
     """
 
     payload_bytes: int = 0
     overhead_bytes: int = 0
     full_reads: int = 0
-    verified_bytes: int = 0
+    check_bytes: int = 0
+    unverified_bytes: int = 0
 
 
 _stats: OpenRecords[ReadStats] = OpenRecords()
@@ -170,12 +173,13 @@ def read_stats() -> Iterator[ReadStats]:
         yield st
 
 
-def _count(payload: int, overhead: int, full: int, verified: int) -> None:
+def _count(reader: ShardReader, tree_bytes: int, tree_unverified: int) -> None:
     def add(s: ReadStats) -> None:
-        s.payload_bytes += payload
-        s.overhead_bytes += overhead
-        s.full_reads += full
-        s.verified_bytes += verified
+        s.payload_bytes += reader.payload_bytes
+        s.overhead_bytes += reader.overhead_bytes + tree_bytes
+        s.full_reads += reader.fallbacks
+        s.check_bytes += reader.check_bytes
+        s.unverified_bytes += reader.unverified_bytes + tree_unverified
     _stats.each(add)
 
 
@@ -460,8 +464,7 @@ class _LoadJob:
         with _quiet():
             dcp.load({}, storage_reader=reader, planner=planner,
                      no_dist=self.mesh.backend != "torch")
-        _count(reader.payload_bytes, reader.overhead_bytes + plan.tree_bytes,
-               reader.fallbacks, reader.verified_bytes + plan.tree_verified)
+        _count(reader, plan.tree_bytes, plan.tree_unverified)
         leaves = plan.finish(planner.values)
         if jobs is None:
             return optree.tree_unflatten(self.treedef, leaves)
@@ -509,7 +512,8 @@ def _read_tree(d: str, md: Metadata) -> dict | None:
     where = f"{path}, item {E.TREE_KEY!r} (the state's structure and Python values)"
     if len(raw) != info.length:
         raise CorruptCheckpointError(f"{where}: truncated, {len(raw)} of {info.length} bytes")
-    verified, bad = C.verify(info, 0, memoryview(raw), len(raw))
+    blocks = C.Blocks(info, len(raw))
+    bad = blocks.check(0, memoryview(raw))
     if bad is not None:
         raise CorruptCheckpointError(f"{where}: checksum mismatch in bytes [{bad[0]}, "
                                      f"{bad[1]}); the file was damaged after it was written")
@@ -521,7 +525,7 @@ def _read_tree(d: str, md: Metadata) -> dict | None:
     if not isinstance(out, dict) or "tree" not in out:
         raise CorruptCheckpointError(f"{where}: holds a {type(out).__name__}, not the record "
                                      f"spmd.checkpoint.save writes")
-    out["bytes"], out["verified"] = len(raw), verified
+    out["bytes"], out["unverified"] = len(raw), blocks.unverified(0, len(raw))
     return out
 
 
