@@ -138,8 +138,11 @@ def read_metadata(d: str) -> Metadata:
             the data files (naming the file and what is wrong).
     """
     path = inside(d, METADATA_FILE, f"checkpoint {d!r}")
-    with open(path, "rb") as f:
-        raw = f.read()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as ex:
+        raise SpecError(f"{path}: cannot be read ({type(ex).__name__}: {ex})") from None
     if not raw:
         raise CorruptCheckpointError(f"{path}: empty (0 bytes): the checkpoint's metadata "
                                      f"was truncated or never written")
@@ -207,15 +210,17 @@ def _check(md: Any, d: str, path: str) -> None:
                     math.prod(c.sizes) * m.properties.dtype.itemsize
         else:
             raise _bad(path, f"{key!r} is described by a {type(m).__name__}")
+    files: dict[str, str] = {}  # relative path -> path, once checked
     sizes: dict[str, int] = {}
     for idx, nbytes in wanted.items():
         info = storage.get(idx)
         if info is None:
             raise _bad(path, f"{idx.fqn!r} (chunk at {list(idx.offset or ())}) has no "
                              f"storage record")
-        where = f"{path}: the item {idx.fqn!r}"
-        file = inside(d, info.relative_path, where)
-        if file not in sizes:
+        rel = info.relative_path
+        file = files.get(rel) if isinstance(rel, str) else None
+        if file is None:
+            file = files[rel] = inside(d, rel, f"{path}: the item {idx.fqn!r}")
             sizes[file] = os.path.getsize(file)
         if info.offset + info.length > sizes[file]:
             raise CorruptCheckpointError(

@@ -32,8 +32,9 @@ def _point(root, text: bytes) -> None:
 def test_latest_naming_anything_but_a_version_is_refused(two, name):
     name = name.format(tmp=two)
     _point(two / "ck", name.encode() + b"\n")
-    with pytest.raises(SpecError, match=rf"LATEST' names '{re.escape(name)}', not a version of .*ck' "
-                                        rf"\(expected 'v' and 6 or more digits.*refusing"):
+    with pytest.raises(SpecError, match=rf"LATEST' names '{re.escape(name)}', not a version "
+                                        rf"of .*ck' \(expected 'v' and 6 or more digits.*"
+                                        rf"refusing"):
         ck.load({"w": torch.empty(3)}, two / "ck")
     with pytest.raises(SpecError, match="refusing to follow it"):
         ck.latest(two / "ck")
