@@ -226,6 +226,12 @@ def _check(md: Any, d: str, path: str) -> None:
             raise CorruptCheckpointError(
                 f"{file}: truncated: the item {idx.fqn!r} lies at bytes [{info.offset}, "
                 f"{info.offset + info.length}) but the file has {sizes[file]} bytes")
+        if nbytes is not None and info.length < nbytes and \
+                not getattr(info, "transform_descriptors", None):
+            # an uncompressed archive holds at least its values: this also bounds what a
+            # load allocates for a crafted size by the bytes on disk
+            raise _bad(path, f"the item {idx.fqn!r} (chunk at {list(idx.offset or ())}) is "
+                             f"{info.length} bytes long but its values take {nbytes}")
         if not C.fits(info, info.length if nbytes is None else nbytes):
             raise _bad(path, f"the checksum record of {idx.fqn!r} does not fit its bytes")
 

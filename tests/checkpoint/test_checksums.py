@@ -126,3 +126,21 @@ def test_sharded_values_on_several_ranks_verify_everything(tmp_path):
     want = torch.cat([want, torch.cat([u.shards[r] for r in (1, 3)], 1)], 0)
     assert torch.equal(torch.cat([got.shards[r] for r in range(3)], 1), want)
     assert stats.unverified_bytes == 0
+
+
+def _gloo_load_damaged(mesh, path):
+    lay = Layout((40, 8), P(None, "sp"), mesh)
+    try:
+        ck.load({"w": lay}, path, mesh)
+    except CorruptCheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.gloo
+def test_gloo_a_damaged_value_raises_on_every_rank(gloo2, tmp_path):
+    version = ck.save({"w": W}, tmp_path, Mesh((1,), ("sp",)))
+    _flip(version, W.numpy().tobytes(), 4 * 8 * 20 + 5)  # column 1 of row 20: rank 0's
+    msgs = gloo2.run(_gloo_load_damaged, (2,), ("sp",), args=(str(tmp_path),))
+    assert all(m and "__0_0.distcp, item 'w'" in m and "checksum mismatch" in m
+               for m in msgs), msgs

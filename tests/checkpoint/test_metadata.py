@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
+import spmd
 import spmd.checkpoint as ck
 from spmd import Layout, Mesh, P, Sharded, SpecError
 from spmd.checkpoint._metadata import CorruptCheckpointError, read_metadata
@@ -147,6 +148,36 @@ def test_chunks_that_do_not_tile_the_tensor_are_refused(tmp_path):
     with pytest.raises(CorruptCheckpointError, match=r"the chunks of 'u' do not tile its size "
                                                      r"\[5, 3\]"):
         ck.load(_tmpl(), tmp_path)
+
+
+def test_a_chunk_larger_than_its_stored_item_is_refused(tmp_path):
+    version = _saved(tmp_path)
+
+    def grow(md):  # w claims 10**9 elements: a load would allocate 4 GB for it
+        m = md.state_dict_metadata["w"]
+        m.size = m.chunks[0].sizes = torch.Size([10**9])
+    _rewrite(version, grow)
+    with pytest.raises(CorruptCheckpointError, match=r"the item 'w' \(chunk at \[0\]\) is "
+                                                     r"\d+ bytes long but its values take "
+                                                     r"4000000000"):
+        ck.load({"w": ck.AS_SAVED}, tmp_path)
+
+
+def _load_damaged(mesh, path):
+    try:
+        ck.load({"u": Layout((5, 3), P("sp"), mesh)}, path, mesh)
+    except SpecError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_damage_raises_on_every_rank_thread_as_what_it_is(tmp_path):
+    version = _saved(tmp_path)
+    with open(os.path.join(version, ".metadata"), "r+b") as f:
+        f.truncate(100)
+    got = spmd.launch(_load_damaged, (2,), ("sp",), args=(str(tmp_path),))
+    assert all(g and g[0] == "CorruptCheckpointError" and ".metadata: cannot be read" in g[1]
+               for g in got), got
 
 
 def test_a_truncated_data_file_names_it_before_reading(tmp_path):
