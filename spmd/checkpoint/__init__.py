@@ -15,6 +15,11 @@ tensors (replicated: a converted model's parameters, Adam's moments), ``PerRank`
 values, Python values (the step, ``param_groups``). The files are DCP's own format, so
 ``torch.distributed.checkpoint.load`` reads them too (keys such as ``model.conv1.weight``).
 
+Checkpoints are data, never code: ``.metadata`` is read with an allowlist unpickler and
+checked, values with ``torch.load(weights_only=True)``, files only inside the version
+``LATEST`` names, every stored block against the crc32 ``save`` recorded; damage raises
+``CorruptCheckpointError`` (a ``SpecError``) naming the file (``docs/checkpoints.md``).
+
 A training state, saved on one mesh and resumed on another::
 
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3,
@@ -25,7 +30,7 @@ A training state, saved on one mesh and resumed on another::
             "step": 0, "field": spmd.Layout(u.shape, P("sp"), new_mesh)}
     state = spmd.checkpoint.load(tmpl, "ckpt", new_mesh)
 """
-from ._reader import CorruptCheckpointError
+from ._metadata import CorruptCheckpointError
 from .dtensor import from_dtensor, to_dtensor
 from .entries import AS_SAVED, PerRank
 from .store import ReadStats, latest, load, read_stats, save

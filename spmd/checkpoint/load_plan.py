@@ -29,6 +29,7 @@ class Plan:
     blobs: list[str]
     finish: Any
     tree_bytes: int
+    tree_unverified: int = 0
 
 
 def plan_load(ents: list[E.Entry], md: Metadata, saved: dict | None, mesh: Mesh,
@@ -95,10 +96,11 @@ def plan_load(ents: list[E.Entry], md: Metadata, saved: dict | None, mesh: Mesh,
         elif e.kind == "as_saved":
             makers.append(_as_saved_maker(e, saved, sdm, d, full, mesh, held, blobs))
     tree_bytes = saved["bytes"] if saved else 0
+    tree_unverified = saved["unverified"] if saved else 0
 
     def finish(values: dict[str, Any]) -> list[Any]:
         return [mk(values) for mk in makers]
-    return Plan(dests, blobs, finish, tree_bytes)
+    return Plan(dests, blobs, finish, tree_bytes, tree_unverified)
 
 
 def _same(key: str, saved_shape: tuple, want_shape: tuple, saved_dtype, want_dtype) -> None:

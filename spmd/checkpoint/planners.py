@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from . import _checksums as C
+
 __all__ = ["ChunkLoadPlanner", "ChunkSavePlanner"]
 
 
@@ -51,12 +53,15 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 class ChunkSavePlanner(SavePlanner):
     """Writes ``tensors[(key, offsets)] = (tensor, global_shape)`` and ``blobs[key]``
-    (a Python value, torch.save'd) from this process."""
+    (a Python value, torch.save'd) from this process, and the checksums of what it hands
+    the writer in ``checksums[(key, offsets or None)]`` (``_checksums.ChecksumWriter``
+    records them in the metadata)."""
 
     def __init__(self, tensors: Mapping[tuple[str, tuple[int, ...]], tuple[torch.Tensor, tuple]],
                  blobs: Mapping[str, Any]):
         self.tensors = dict(tensors)
         self.blobs = dict(blobs)
+        self.checksums: dict[tuple[str, tuple[int, ...] | None], tuple[int, list[int]]] = {}
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -94,9 +99,16 @@ class ChunkSavePlanner(SavePlanner):
             buf = io.BytesIO()
             torch.save(self.blobs[key], buf)
             buf.seek(0)
+            with buf.getbuffer() as data:
+                self.checksums[(key, None)] = C.sums(data)
             return buf
-        t, _ = self.tensors[(key, tuple(write_item.index.offset))]
-        return _compact(t)
+        offs = tuple(write_item.index.offset)
+        t, _ = self.tensors[(key, offs)]
+        # The values in C order on the CPU (the writer copies there anyway): the bytes of
+        # the stored record, which the checksums cover.
+        t = _compact(t.resolve_conj().resolve_neg()).cpu()
+        self.checksums[(key, offs)] = C.sums(C.tensor_bytes(t))
+        return t
 
 
 class ChunkLoadPlanner(LoadPlanner):

@@ -2,11 +2,12 @@
 
 Both run in two steps. First every rank checks its own part (its state or template
 against the checkpoint) and the ranks agree, in one small exchange, that they pass the
-same structure and that none failed: an error is raised on every rank before any data
-moves. Then one DCP call per process does the work: on processes DCP's own collectives,
-on rank threads one call for all of them (the last to arrive runs it), on a threads
-mesh seen from ordinary code one call holding every rank. The directory of versions is
-``versions.py``; what a load reads, ``load_plan.py``.
+same structure and directory and that none failed: an error is raised on every rank
+before any data moves (``_agreement.py``). Then one DCP call per process does the work:
+on processes DCP's own collectives, on rank threads one call for all of them (the last
+to arrive runs it), on a threads mesh seen from ordinary code one call holding every
+rank. The directory of versions is ``versions.py``; what a load reads, ``load_plan.py``;
+how a checkpoint is read as data and verified, ``_metadata.py`` and ``_checksums.py``.
 """
 from __future__ import annotations
 
@@ -23,20 +24,21 @@ from typing import Any
 import optree
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..comm import comm_of
-from ..core._context import in_rank_of
 from ..core._format import describe
 from ..core._records import OpenRecords
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
 from ..transforms.sharded import Sharded, held_ranks
+from . import _checksums as C
 from . import entries as E
 from . import versions as V
+from ._agreement import run_on_ranks
+from ._metadata import CorruptCheckpointError, inside, read_metadata
 from ._reader import ShardReader
 from .load_plan import plan_load
 from .planners import ChunkLoadPlanner, ChunkSavePlanner
@@ -87,7 +89,7 @@ def save(state: Any, path: str | os.PathLike, mesh: Mesh, *, keep: int = 1) -> s
     ents, treedef = E.flatten(state, mesh, "spmd.checkpoint.save", template=False)
     root = os.fspath(path)
     tree = optree.tree_unflatten(treedef, [E.marker(e) for e in ents])
-    return _run(mesh, _SaveJob(ents, tree, root, mesh, keep), "spmd.checkpoint.save")
+    return run_on_ranks(mesh, _SaveJob(ents, tree, root, mesh, keep), "spmd.checkpoint.save")
 
 
 def load(template: Any, path: str | os.PathLike, mesh: Mesh | None = None) -> Any:
@@ -128,7 +130,8 @@ def load(template: Any, path: str | os.PathLike, mesh: Mesh | None = None) -> An
         mesh = Mesh((1,), ("_",), backend="threads")
     check_mesh(mesh, "spmd.checkpoint.load")
     ents, treedef = E.flatten(template, mesh, "spmd.checkpoint.load", template=True)
-    return _run(mesh, _LoadJob(ents, treedef, os.fspath(path), mesh), "spmd.checkpoint.load")
+    job = _LoadJob(ents, treedef, os.fspath(path), mesh)
+    return run_on_ranks(mesh, job, "spmd.checkpoint.load")
 
 
 @dataclass
@@ -137,12 +140,18 @@ class ReadStats:
 
     ``payload_bytes``: tensor data; ``overhead_bytes``: DCP's and torch.save's headers,
     Python values and the tree record; ``full_reads``: stored chunks read whole because
-    they could not be read in part (written by other tools, or compressed).
+    they could not be read in part (written by other tools, or compressed);
+    ``check_bytes``: bytes read only to verify a checksum block a shard cuts;
+    ``unverified_bytes``: bytes of tensors and Python values loaded that no checksum
+    covered (checkpoints without checksums; edges of partial reads, see
+    ``docs/checkpoints.md``).
     """
 
     payload_bytes: int = 0
     overhead_bytes: int = 0
     full_reads: int = 0
+    check_bytes: int = 0
+    unverified_bytes: int = 0
 
 
 _stats: OpenRecords[ReadStats] = OpenRecords()
@@ -165,11 +174,13 @@ def read_stats() -> Iterator[ReadStats]:
         yield st
 
 
-def _count(payload: int, overhead: int, full: int) -> None:
+def _count(reader: ShardReader, tree_bytes: int, tree_unverified: int) -> None:
     def add(s: ReadStats) -> None:
-        s.payload_bytes += payload
-        s.overhead_bytes += overhead
-        s.full_reads += full
+        s.payload_bytes += reader.payload_bytes
+        s.overhead_bytes += reader.overhead_bytes + tree_bytes
+        s.full_reads += reader.fallbacks
+        s.check_bytes += reader.check_bytes
+        s.unverified_bytes += reader.unverified_bytes + tree_unverified
     _stats.each(add)
 
 
@@ -198,75 +209,17 @@ def _quiet() -> Iterator[None]:
             raise err from None
 
 
-# -- running on processes, rank threads, or one process --------------------------------
-
-def _run(mesh: Mesh, job: Any, what: str) -> Any:
-    """Agree on ``job.local_check()`` (a digest of what must match, and this rank's
-    error), then run ``job.run(held, jobs)`` once per process (``jobs``: every rank
-    thread's own, on rank threads; else None).
-
-    Processes: one all_gather of (digest, failed) so every rank raises when any rank
-    would, then DCP's own collectives. Rank threads: one exchange; its last arrival runs
-    the whole job for every rank (one DCP call in this process) and each rank takes its
-    part. Ordinary code on a threads mesh: this process holds every rank.
-    """
-    digest, err = job.local_check()
-    if mesh.backend == "torch":
-        comm = comm_of(mesh)
-        group = mesh.group(mesh.axis_names)
-        mine = torch.tensor([digest, 0 if err is None else 1], dtype=torch.int64,
-                            device=mesh.device)
-        rows = [t.tolist() for t in comm.all_gather(mine, group, 0, name=what)]
-        _agree(rows, err, what, list(group.ranks))
-        return job.run((mesh.rank,), None)
-    if not in_rank_of(mesh):
-        if err is not None:
-            raise SpecError(err)
-        return job.run(tuple(range(mesh.size)), None)
-    comm = comm_of(mesh)
-    group = mesh.group(mesh.axis_names)
-    rank = mesh.rank
-
-    def combine(payloads: list) -> Any:
-        rows = [[p[0], 0 if p[1] is None else 1] for p in payloads]
-        errs = {r: p[1] for r, p in zip(group.ranks, payloads) if p[1] is not None}
-        if errs:
-            r0 = min(errs)
-            raise SpecError(errs[r0] if len(errs) == 1 else
-                            f"{errs[r0]} (and on ranks {sorted(errs)[1:]})")
-        _agree(rows, None, what, list(group.ranks))
-        return payloads[0][2].run(tuple(group.ranks), [p[2] for p in payloads])
-
-    out = comm.exchange(group, what, (digest, err, job), name=what, combine=combine)
-    return out[rank] if isinstance(out, dict) else out
-
-
-def _agree(rows: list[list[int]], err: str | None, what: str, ranks: list[int]) -> None:
-    failed = [r for r, row in zip(ranks, rows) if row[1]]
-    if err is not None:
-        raise SpecError(err)
-    if failed:
-        raise SpecError(f"{what}: ranks {failed} cannot run this call (each of them raised "
-                        f"the reason); nothing was read or written")
-    digests = {row[0] for row in rows}
-    if len(digests) > 1:
-        groups: dict[int, list[int]] = {}
-        for r, row in zip(ranks, rows):
-            groups.setdefault(row[0], []).append(r)
-        raise SpecError(f"{what}: the state differs between ranks (keys, global shapes, "
-                        f"dtypes, layouts, Python values, or the values of replicated "
-                        f"tensors; wrap per-rank values in PerRank): ranks "
-                        f"{' vs '.join(str(v) for v in groups.values())} agree among "
-                        f"themselves; every rank must pass the same structure")
-
-
 # -- save -------------------------------------------------------------------------------
 
 class _SaveJob:
     def __init__(self, ents: list[E.Entry], tree: Any, root: str, mesh: Mesh, keep: int):
         self.ents, self.tree, self.root, self.mesh, self.keep = ents, tree, root, mesh, keep
 
-    def local_check(self) -> tuple[int, str | None]:
+    def place(self) -> str:
+        """The directory, resolved: the ranks must agree on it."""
+        return os.path.realpath(self.root)
+
+    def local_check(self) -> tuple[int, SpecError | None]:
         err = None
         held = set(held_ranks(self.mesh))
         try:
@@ -287,7 +240,7 @@ class _SaveJob:
                     _check_loadable(e.value, f"{e.key!r} ({describe(e.value)})")
             _check_loadable(self.tree, "the state's structure (its containers)")
         except SpecError as ex:
-            err = str(ex)
+            err = ex
         objects = [e.value for e in self.ents if e.kind == "object"]
         return E.digest([E.structure(self.ents), objects, _sums(self.ents)]), err
 
@@ -327,7 +280,7 @@ class _SaveJob:
         target = os.path.join(self.root, version)
         dist = mesh.backend == "torch"
         with _quiet():
-            dcp.save({}, storage_writer=FileSystemWriter(target, sync_files=True),
+            dcp.save({}, storage_writer=C.ChecksumWriter(target, sync_files=True),
                      planner=ChunkSavePlanner(tensors, blobs), no_dist=not dist)
         if 0 in held:
             V.commit(self.root, version, self.keep)
@@ -384,16 +337,19 @@ class _LoadJob:
     def __init__(self, ents: list[E.Entry], treedef: Any, path: str, mesh: Mesh):
         self.ents, self.treedef, self.path, self.mesh = ents, treedef, path, mesh
 
-    def local_check(self) -> tuple[int, str | None]:
+    def place(self) -> str:
+        return ""  # ranks may read the same checkpoint through different paths
+
+    def local_check(self) -> tuple[int, SpecError | None]:
         err = None
         try:
             self.dir = V.read_dir(self.path)
-            self.md = FileSystemReader(self.dir).read_metadata()
+            self.md = read_metadata(self.dir)
             self.saved = _read_tree(self.dir, self.md)
             self.plan = plan_load(self.ents, self.md, self.saved, self.mesh,
                                    held_ranks(self.mesh), self.dir)
         except SpecError as ex:
-            err = str(ex)
+            err = ex
         return E.digest([E.structure(self.ents)]), err
 
     def run(self, held: tuple[int, ...], jobs: list[_LoadJob] | None) -> Any:
@@ -407,12 +363,11 @@ class _LoadJob:
             ents = _merge_templates([j.ents for j in jobs], held)
             plan = plan_load(ents, self.md, self.saved, self.mesh, held, self.dir)
         planner = ChunkLoadPlanner(plan.dests, plan.blobs)
-        reader = ShardReader(self.dir)
+        reader = ShardReader(self.dir, metadata=self.md)
         with _quiet():
             dcp.load({}, storage_reader=reader, planner=planner,
                      no_dist=self.mesh.backend != "torch")
-        _count(reader.payload_bytes, reader.overhead_bytes + plan.tree_bytes,
-               reader.fallbacks)
+        _count(reader, plan.tree_bytes, plan.tree_unverified)
         leaves = plan.finish(planner.values)
         if jobs is None:
             return optree.tree_unflatten(self.treedef, leaves)
@@ -449,15 +404,31 @@ def _read_tree(d: str, md: Metadata) -> dict | None:
     info = (md.storage_data or {}).get(MetadataIndex(E.TREE_KEY))
     if info is None:
         return None
-    with open(os.path.join(d, info.relative_path), "rb") as f:
+    path = inside(d, info.relative_path, f"spmd.checkpoint.load: the tree record of {d!r}")
+    with open(path, "rb") as f:
         f.seek(info.offset)
         raw = f.read(info.length)
     if getattr(info, "transform_descriptors", None):
         raise SpecError(f"spmd.checkpoint.load: the tree record of {d!r} was written with "
                         f"stream transforms {info.transform_descriptors}; load it with "
                         f"torch.distributed.checkpoint directly")
-    out = torch.load(io.BytesIO(raw), weights_only=True)
-    out["bytes"] = len(raw)
+    where = f"{path}, item {E.TREE_KEY!r} (the state's structure and Python values)"
+    if len(raw) != info.length:
+        raise CorruptCheckpointError(f"{where}: truncated, {len(raw)} of {info.length} bytes")
+    blocks = C.Blocks(info, len(raw))
+    bad = blocks.check(0, memoryview(raw))
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch in bytes [{bad[0]}, "
+                                     f"{bad[1]}); the file was damaged after it was written")
+    try:
+        out = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as ex:  # noqa: BLE001 - damaged, or a global weights_only refuses
+        raise CorruptCheckpointError(f"{where}: cannot be read with torch.load(weights_only="
+                                     f"True) ({type(ex).__name__}: {ex})") from None
+    if not isinstance(out, dict) or "tree" not in out:
+        raise CorruptCheckpointError(f"{where}: holds a {type(out).__name__}, not the record "
+                                     f"spmd.checkpoint.save writes")
+    out["bytes"], out["unverified"] = len(raw), blocks.unverified(0, len(raw))
     return out
 
 

@@ -7,6 +7,9 @@ A save writes a new version and, once every rank's files and DCP's metadata (wri
 last) are on disk, replaces ``LATEST`` atomically (``os.replace`` of a synced file);
 then it deletes older versions. A save cut short leaves ``LATEST`` naming the previous
 version, which still loads; the next save removes the partial directory.
+
+``LATEST`` is followed only to a version of this directory: ``v`` and digits, a directory
+whose real path (symlinks resolved) lies directly in ``path``. Anything else is refused.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 from ..comm import comm_of
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
+from ._metadata import METADATA_FILE, CorruptCheckpointError
 
 __all__ = ["begin", "check_root", "commit", "latest", "read_dir"]
 
@@ -29,14 +33,43 @@ VERSION = re.compile(r"^v(\d{6,})$")
 
 
 def latest(path: str | os.PathLike) -> str | None:
-    """The directory of the last finished version under ``path``, or None."""
+    """The directory of the last finished version under ``path``, or None.
+
+    Raises:
+        SpecError: ``LATEST`` names something other than a version of ``path`` (``..``,
+            an absolute path, a symlink out of ``path``).
+        CorruptCheckpointError: ``LATEST`` is not a version name at all (not text,
+            empty, damaged).
+    """
     root = os.fspath(path)
+    file = os.path.join(root, LATEST_FILE)
     try:
-        with open(os.path.join(root, LATEST_FILE)) as f:
-            name = f.read().strip()
+        with open(file, "rb") as f:
+            raw = f.read(256)  # "v000001\n"; anything longer is not a version name
     except FileNotFoundError:
         return None
-    return os.path.join(root, name)
+    except OSError as ex:
+        raise CorruptCheckpointError(f"spmd.checkpoint: {file!r} cannot be read "
+                                     f"({type(ex).__name__}: {ex})") from None
+    expected = "expected 'v' and 6 or more digits, as spmd.checkpoint.save writes"
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"spmd.checkpoint: {file!r} is not text (it starts "
+                                     f"{raw[:16]!r}); {expected}; the file is damaged") \
+            from None
+    if not name:
+        raise CorruptCheckpointError(f"spmd.checkpoint: {file!r} is empty; {expected}; "
+                                     f"the file is damaged")
+    if not VERSION.match(name):
+        raise SpecError(f"spmd.checkpoint: {file!r} names {name[:80]!r}, not a version of "
+                        f"{root!r} ({expected}); refusing to follow it")
+    d = os.path.join(root, name)
+    real = os.path.realpath(d)
+    if os.path.dirname(real) != os.path.realpath(root):
+        raise SpecError(f"spmd.checkpoint: {file!r} names {name!r}, a link to {real!r}, "
+                        f"outside {root!r}; refusing to follow it")
+    return d
 
 
 def check_root(root: str) -> None:
@@ -96,7 +129,9 @@ def _versions(root: str) -> list[tuple[int, str]]:
 
 
 def read_dir(path: str) -> str:
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    """The version directory a load reads: ``path`` itself if it holds DCP metadata, else
+    the version ``LATEST`` names."""
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
         return path
     d = latest(path)
     if d is None:

@@ -305,11 +305,7 @@ def _header_flipped(blob, info):
     return blob
 
 
-@pytest.mark.parametrize("damage, says", [
-    (_header_flipped, "bad local zip header"),  # found by the probe
-    (lambda blob, info: blob[:info.offset + info.length - 100], "torch.load failed"),
-])
-def test_corrupt_item_names_file_and_item(tmp_path, damage, says):
+def _damage(tmp_path, damage):
     t = _sample((6, 5), torch.float32)
     _save(tmp_path, {"w": t})
     reader = FileSystemReader(tmp_path)
@@ -317,11 +313,24 @@ def test_corrupt_item_names_file_and_item(tmp_path, damage, says):
     info = next(iter(reader.storage_data.values()))
     path = tmp_path / info.relative_path
     path.write_bytes(bytes(damage(bytearray(path.read_bytes()), info)))
+
+
+def test_corrupt_item_names_file_and_item(tmp_path):
+    _damage(tmp_path, _header_flipped)
     with pytest.raises(CheckpointException) as caught:  # DCP wraps each rank's error
         _load_box(tmp_path, "w", (2, 5), (1, 0), torch.float32)
     error = caught.value.failures[0][0]
     assert isinstance(error, CorruptCheckpointError)
-    assert "__0_0.distcp" in str(error) and "'w'" in str(error) and says in str(error)
+    assert "__0_0.distcp" in str(error) and "'w'" in str(error)
+    assert "bad local zip header" in str(error)  # found by the probe
+
+
+def test_truncated_file_is_found_when_the_metadata_is_read(tmp_path):
+    _damage(tmp_path, lambda blob, info: blob[:info.offset + info.length - 100])
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0.distcp: truncated: the item 'w' "
+                                                     r"lies at bytes \[0, \d+\) but the file "
+                                                     r"has \d+ bytes"):
+        ShardReader(tmp_path).read_metadata()
 
 
 def test_runs_are_maximal():

@@ -220,6 +220,23 @@ def test_errors_are_raised_on_every_rank_before_anything_moves(tmp_path):
     assert not os.path.exists(tmp_path / "other" / "LATEST")
 
 
+def _own_directory(mesh, base):
+    try:
+        ck.save({"step": 1}, os.path.join(base, f"r{mesh.rank}"), mesh)
+    except SpecError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_directories_raise_on_every_rank_naming_them(tmp_path):
+    msgs = spmd.launch(_own_directory, (2,), ("sp",), args=(str(tmp_path),))
+    real = os.path.realpath(tmp_path)  # the message names resolved paths
+    for m in msgs:
+        assert m and "the ranks were given different checkpoint directories" in m, msgs
+        assert f"ranks [0]: '{real}/r0'; ranks [1]: '{real}/r1'" in m, m
+    assert os.listdir(tmp_path) == []  # nothing written
+
+
 def test_errors_name_the_key_and_both_shapes(tmp_path):
     mesh = Mesh((2,), ("sp",))
     ck.save({"model": {"w": torch.zeros(3, 4)}, "u": Sharded.from_global(
@@ -308,6 +325,15 @@ def test_gloo_each_rank_reads_only_its_new_shard(gloo2, tmp_path):
     got = gloo2.run(_gloo_load, (2,), ("sp",), args=(path,))
     assert [a == b for a, b in got] == [True, True], got
     assert torch.equal(ck.load({"y": torch.empty(7, 5)}, path)["y"], Y)
+
+
+@pytest.mark.gloo
+def test_gloo_ranks_given_different_directories_raise_on_every_rank(gloo2, tmp_path):
+    msgs = gloo2.run(_own_directory, (2,), ("sp",), args=(str(tmp_path),))
+    real = os.path.realpath(tmp_path)
+    for m in msgs:
+        assert m and f"ranks [0]: '{real}/r0'; ranks [1]: '{real}/r1'" in m, msgs
+    assert os.listdir(tmp_path) == []
 
 
 def _save_then_die(mesh, path):
