@@ -71,11 +71,20 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
     rank's rows) and the backward of a user's ``torch.autograd.Function``.
 
-    Before the first call with a given input signature, the forward runs once on meta
-    tensors (no memory, no communication) to make the plan; a refusal there raises on
-    every rank alike before anything runs. ``model.spmd_plan`` is the latest plan.
-    Parameters, buffers and ``state_dict`` keys are unchanged; ``model`` itself is not
-    modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
+    Before the first call with a given input signature, the forward runs once on a
+    planning copy of the layers (their Python attributes copied, their parameters and
+    buffers meta tensors: no memory, no communication) to make the plan; a refusal there
+    raises on every rank alike before anything runs. ``model.spmd_plan`` is the latest
+    plan. What the forward does to its layers' state (a step counter, a buffer updated in
+    place, a first-call initialisation from the data) happens in the real call only: one
+    call leaves the state one call on one device leaves. On a threads mesh of more than
+    one rank every rank thread runs the one model, so a forward that changes its state
+    (an attribute, a parameter or buffer set or updated in place) is refused before
+    anything runs, naming the layer path and the attribute; where the plan cannot see
+    the change (after a branch on data), the call raises after the forward. Layers not
+    looked into (``types=``, ``allow=``, ``spmd.nn`` layers) keep their state to
+    themselves. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
+    itself is not modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:
         model: the single-device model.

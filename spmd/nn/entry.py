@@ -20,9 +20,10 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
+from . import state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, Plan, _current, _Entry, _flat, _Run, _state
-from .modules import _Sharded
+from .modules import SHARDED, _Sharded
 
 __all__ = ["Config", "install", "example_shapes"]
 
@@ -86,11 +87,24 @@ class Config:
 
     # -- plans ---------------------------------------------------------------------------------
 
+    def is_opaque(self, m: torch.nn.Module) -> bool:
+        """A layer convert does not look into: its state is its own business too."""
+        return isinstance(m, self.allow_types + self.opaque + (_Sharded,))
+
+    def shared_by_threads(self) -> bool:
+        """Every rank of the mesh runs the model's one set of layers (rank threads)."""
+        return self.mesh.backend == "threads" and self.mesh.size > 1
+
     def plan(self, module: torch.nn.Module, args: tuple, kwargs: dict,
              shapes: Callable[[torch.Tensor, tuple], list[int]], *,
-             global_sizes: bool = False) -> Plan:
-        """Run ``module`` on meta stand-ins of tagged ``args`` (sizes from ``shapes``; the
-        global ones with ``global_sizes``)."""
+             global_sizes: bool = False, name: str | None = None) -> Plan:
+        """Run a planning copy of ``module`` (``state.planning_copy``: the forward's side
+        effects land there) on meta stand-ins of tagged ``args`` (sizes from ``shapes``;
+        the global ones with ``global_sizes``)."""
+        name = name or self.name
+        twin = state.planning_copy(module, keep=(self, self.mesh))
+        before = state.snapshot(twin, self.is_opaque)
+
         def make(a, entries):
             m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
             return m.requires_grad_(a.requires_grad) if m.is_floating_point() else m
@@ -101,7 +115,7 @@ class Config:
         run = _Run(self, planning=True, plan=plan)
         run.start()
         try:
-            out = module(*margs, **mkwargs)
+            out = twin(*margs, **mkwargs)
         except SpecError as e:
             if not getattr(e, "plan_stop", False):
                 raise  # a convert error (an spmd call in the forward, a spec too long)
@@ -118,6 +132,11 @@ class Config:
                 tag = tag_of(t)
                 plan.outputs.append("refused" if tag is not None and tag.poisoned else
                                     repr(spec_of(entries_of(t, self.mesh))))
+        plan.changes = state.changes(before, name)
+        if self.shared_by_threads():
+            for c in plan.changes:
+                plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
+                                           shared_state_problem(c, self.mesh)))
         return plan
 
     def planned(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> Plan:
@@ -131,13 +150,25 @@ class Config:
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plan(module, args, kwargs,
-                                 lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)])
+                                 lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)],
+                                 name=path.strip("'"))
                 self.plans[key] = plan
         return plan
 
 
+def shared_state_problem(c: state.Change, mesh: Mesh) -> str:
+    """Why a change of a layer's state in forward is refused on rank threads, and the fix."""
+    twin = SHARDED.get(c.cls)
+    swap = (f"swap in the twin, which updates it once: types={{nn.{c.layer}: "
+            f"spmd.nn.{twin.__name__}}}; or " if twin is not None else "")
+    return (f"{c.what} in forward; the {mesh.size} rank threads of a threads mesh run this "
+            f"one {c.layer}, so it would happen {mesh.size} times per call (once per rank); "
+            f"{swap}run on processes (spmd.launch(..., backend='gloo') or torchrun: each rank "
+            f"its own copy), or make the update outside forward, once per call")
+
+
 class _Frame:
-    __slots__ = ("module", "run", "path", "suspended", "entries")
+    __slots__ = ("module", "run", "path", "suspended", "entries", "watch")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -145,6 +176,7 @@ class _Frame:
         self.path = False
         self.suspended = False
         self.entries: tuple | None = None
+        self.watch: tuple | None = None  # (name, snapshot, why) of layers rank threads share
 
 
 def _refuse_compile() -> None:
@@ -185,6 +217,10 @@ class Enter:
         if self.cfg.strict and plan.incomplete:
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")
+        if plan.incomplete and self.cfg.shared_by_threads():
+            # what the plan did not see of the forward may change the shared layers: look
+            name = self.path.strip("'")
+            frame.watch = (name, state.snapshot(module, self.cfg.is_opaque), plan.incomplete)
         run = _Run(self.cfg, planning=False)
         run.start()
         frame.run = run
@@ -232,6 +268,8 @@ class Exit:
                 run.internal -= 1
         if frame.run is not None:
             frame.run.stop()
+        if frame.watch is not None:
+            _check_unplanned_changes(frame.watch, frame.run.mesh)
         return None
 
     def _leave(self, run: _Run, frame: _Frame, output: Any) -> None:
@@ -244,6 +282,20 @@ class Exit:
                         set_tag(t, run.mesh, e if t.ndim == ndim else (None,) * t.ndim)
         if frame.path:
             run.paths.pop()
+
+
+def _check_unplanned_changes(watch: tuple, mesh: Mesh) -> None:
+    """After a forward whose plan stopped short on rank threads: raise if it changed the
+    layers' state (after the fact, but not silently)."""
+    name, before, why = watch
+    found = state.changes(before, name)
+    if found:
+        lines = [f"convert: {name}'s forward changed the state of layers that the rank "
+                 f"threads share, where its plan (made before the first call) could not see "
+                 f"it ({why}); the state is now wrong:"]
+        lines += [f"  - in {c.path}: self.{c.attr} {shared_state_problem(c, mesh)}"
+                  for c in found]
+        raise SpecError("\n".join(lines))
 
 
 _CONV_TRANSPOSE = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)

@@ -86,6 +86,8 @@ class Plan:
     incomplete: str = ""
     #: The plan ran on the global shapes (``example=``), not on stand-in sizes of split dims.
     global_sizes: bool = False
+    #: What the forward changes in its layers' state (``state.Change``s).
+    changes: list = field(default_factory=list)
 
     @property
     def refused(self) -> list[_Entry]:
@@ -204,8 +206,13 @@ class _Run:
         if self.planning:  # on meta tensors, without spmd's functions
             args = tuple(self._meta(a) for a in args)
             kwargs = {k: self._meta(v) for k, v in kwargs.items()}
-            if rules.op_name(fn) in _CREATION:
+            name = rules.op_name(fn)
+            if name in _CREATION:
                 kwargs["device"] = "meta"
+            elif name == "get:data" and len(args) == 1:
+                # ``p.data`` shares no version counter with ``p``; ``detach`` does, so
+                # that ``p.data.copy_(...)`` shows in the plan as a change of ``p``
+                return args[0].detach()
             return fn(*args, **kwargs)
         prev = _context.set_converting(False)  # twins call spmd's own functions
         try:

@@ -1,0 +1,171 @@
+"""A converted model's state (Python attributes, parameters, buffers) and its forward.
+
+A forward is user code with side effects: a step counter, a running mean, a first-call
+initialisation. Two rules keep them right:
+
+- the plan runs on a *planning copy* of the layers (``planning_copy``): their Python state
+  copied, every tensor a meta stand-in; whatever the forward changes there is thrown
+  away, so one call of a converted model leaves the state one call on one device leaves;
+- what the planned forward changed (``changes``) is what the real one will change: on a
+  threads mesh, where every rank thread runs the same layers, such a change would happen
+  once per rank, so the plan refuses it before anything runs, naming the attribute.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.errors import SpecError
+
+__all__ = ["planning_copy", "snapshot", "changes", "Change"]
+
+# What nn.Module.__init__ puts in every layer's __dict__ (hooks, registries), less
+# ``training``, which a forward that calls ``self.train()`` changes like any attribute.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+_SPMD = frozenset({"spmd_plan"})
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    m = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(m, requires_grad=t.requires_grad)
+    return m.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else m
+
+
+def planning_copy(module: nn.Module, keep: Iterable[Any] = ()) -> nn.Module:
+    """A copy of ``module`` to plan on: its Python state deep-copied, its parameters,
+    buffers and tensor attributes meta tensors (no memory); ``keep`` (the convert config,
+    the mesh) shared, not copied.
+
+    Raises:
+        SpecError: the layers hold something ``copy.deepcopy`` cannot copy.
+    """
+    memo: dict[int, Any] = {id(k): k for k in keep}
+    for m in module.modules():
+        tensors = list(m._parameters.values()) + list(m._buffers.values()) + [
+            v for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t is not None and id(t) not in memo:
+                memo[id(t)] = _stand_in(t)
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as e:  # noqa: BLE001 - any attribute of a user's layer
+        raise SpecError(
+            f"convert: the forward is planned on a copy of {type(module).__name__} (so that "
+            f"planning leaves the model as it was), and copy.deepcopy failed: "
+            f"{type(e).__name__}: {e}; make the layers' attributes copyable (a __deepcopy__) "
+            f"or keep the uncopyable object outside the model") from e
+
+
+class Change:
+    """One piece of a layer's state that a forward changed."""
+
+    __slots__ = ("cls", "path", "attr", "what")
+
+    def __init__(self, cls: type, path: str, attr: str, what: str):
+        self.cls, self.path, self.attr, self.what = cls, path, attr, what
+
+    @property
+    def layer(self) -> str:
+        return self.cls.__name__
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}.{self.attr}" if self.path else self.attr
+
+    def __repr__(self) -> str:
+        return f"Change({self.name!r}: {self.what})"
+
+
+def _layers(module: nn.Module, skip: Callable[[nn.Module], bool]):
+    """``(path, layer)`` of ``module``'s tree, without the layers ``skip`` names (their
+    state is their own business) and what is below them."""
+    out, cut = [], []
+    for path, m in module.named_modules():
+        if any(path == c or path.startswith(c + ".") for c in cut):
+            continue
+        if m is not module and skip(m):
+            cut.append(path)
+            continue
+        out.append((path, m))
+    return out
+
+
+class _Is:
+    """An object compared by identity (what ``_freeze`` cannot look into)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Is) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+def _freeze(v: Any) -> Any:
+    """``v`` as a value to compare later: plain data (numbers, strings, and lists, tuples
+    and dicts of them) by value, so that ``self.steps += 1`` and ``self.seen.append(n)``
+    show; anything else (tensors, layers, other objects) by identity."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return (type(v), v)
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_freeze(x) for x in v))
+    if isinstance(v, dict):
+        return (type(v), tuple((_freeze(k), _freeze(x)) for k, x in v.items()))
+    return _Is(v)
+
+
+def _attrs(m: nn.Module) -> dict:
+    return {k: v for k, v in vars(m).items() if k not in _MODULE_INTERNALS and k not in _SPMD}
+
+
+def snapshot(module: nn.Module, skip: Callable[[nn.Module], bool]) -> dict:
+    """The state of ``module``'s layers, to compare with ``changes`` after a forward."""
+    out = {}
+    for path, m in _layers(module, skip):
+        attrs = {k: _freeze(v) for k, v in _attrs(m).items()}
+        tensors = {k: (t, None if t is None else t._version)
+                   for k, t in list(m._parameters.items()) + list(m._buffers.items())}
+        out[path] = (m, attrs, tensors)
+    return out
+
+
+def changes(before: dict, name: str) -> list[Change]:
+    """What changed in the layers of ``before`` (a ``snapshot``) since it was taken;
+    ``name`` names the top layer in messages."""
+    out = []
+    for path, (m, attrs, tensors) in before.items():
+        layer = type(m)
+        where = f"{name}.{path}" if path else name
+        now = _attrs(m)
+        for k, val in attrs.items():
+            if k not in now:
+                out.append(Change(layer, where, k, "deletes the attribute"))
+            elif _freeze(now[k]) != val:
+                out.append(Change(layer, where, k, f"changes the attribute ({_kind(now[k])})"))
+        for k in now.keys() - attrs.keys():
+            out.append(Change(layer, where, k, f"sets a new attribute ({_kind(now[k])})"))
+        cur = dict(list(m._parameters.items()) + list(m._buffers.items()))
+        for k, (t, version) in tensors.items():
+            kind = "parameter" if k in m._parameters else "buffer"
+            if cur.get(k) is not t:
+                out.append(Change(layer, where, k, f"replaces the {kind}"))
+            elif t is not None and t._version != version:
+                out.append(Change(layer, where, k, f"updates the {kind} in place"))
+        for k in cur.keys() - tensors.keys():
+            out.append(Change(layer, where, k, "registers a new parameter or buffer"))
+    return out
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return "a tensor"
+    return f"{type(v).__name__}"

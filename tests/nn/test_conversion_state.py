@@ -1,0 +1,245 @@
+"""A converted forward changes its layers' state (Python attributes, parameters, buffers)
+as one call on one device does, or is refused before any byte moves.
+
+- The plan runs on a planning copy: a step counter, a buffer counted in place or
+  replaced, a running mean and a data-dependent first-call initialisation (Glow's
+  ActNorm) are left after a call exactly as one device leaves them, with
+  ``example=`` or without, on one rank and on gloo processes.
+- On a threads mesh every rank thread runs the one model: a forward that changes its
+  state is refused before anything runs, naming the layer path and the attribute
+  (``comm_stats`` counts no call); where the plan cannot see the change (a branch on
+  data), the call raises after the forward instead of leaving a wrong state.
+
+Values and gradients are float64 and compared at 1e-12 (the split mean reorders
+additions); counters and flags exactly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import spmd
+from spmd import P
+
+F64 = torch.float64
+H = P(None, None, "sp")
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+
+class Counter(nn.Module):
+    """Counts its calls three ways and keeps a running mean of its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1).double()
+        self.steps = 0
+        self.sizes: list[int] = []
+        self.register_buffer("n", torch.zeros((), dtype=F64))
+        self.register_buffer("m", torch.zeros((), dtype=F64))
+        self.register_buffer("running", torch.zeros(2, dtype=F64))
+
+    def forward(self, x):
+        self.steps += 1
+        self.sizes.append(x.shape[0])
+        self.n += 1  # in place
+        self.m = self.m + 1  # a new buffer
+        with torch.no_grad():
+            self.running.mul_(0.9).add_(0.1 * x.mean((0, 2, 3)))
+        return self.conv(x)
+
+
+class ActNorm(nn.Module):
+    """Glow's activation norm: its bias is set from the first batch (a mean over the
+    split dims), then trained."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(1, c, 1, 1, dtype=F64))
+        self.initialized = False
+
+    def forward(self, x):
+        if not self.initialized:
+            with torch.no_grad():
+                self.bias.data.copy_(-x.mean(dim=(0, 2, 3), keepdim=True))
+            self.initialized = True
+        return x + self.bias
+
+
+class Net(nn.Module):
+    """ActNorm between two convolutions, and a counter: one of each kind of state."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1).double()
+        self.norm = ActNorm(2)
+        self.count = Counter()
+
+    def forward(self, x):
+        return self.count(self.norm(self.conv(x)))
+
+
+class Loss(nn.Module):
+    """``sum(model(x) * w)``: every output value weighs in the scalar and its gradient."""
+
+    def __init__(self, model: nn.Module, w: torch.Tensor):
+        super().__init__()
+        self.model, self.w = model, w
+
+    def forward(self, x):
+        return (self.model(x) * self.w).sum()
+
+
+def _data(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 2, 37, 5, generator=g, dtype=F64) + 5  # ActNorm's bias near -5
+    w = torch.randn(2, 2, 37, 5, generator=g, dtype=F64)
+    return x, w
+
+
+def _net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _attrs(model: nn.Module) -> dict:
+    """Every layer's Python attributes (what nn.Module keeps for itself and the plan left
+    out), by path."""
+    internal = set(nn.Module().__dict__) - {"training"}
+    return {f"{path}.{k}": v for path, m in model.named_modules() for k, v in vars(m).items()
+            if k not in internal and k not in ("spmd_plan", "w")}
+
+
+def _state(model: nn.Module, x: torch.Tensor, calls: int, call) -> tuple:
+    """``calls`` calls of ``call(x)``; the losses, input and parameter gradients, buffers
+    and Python attributes."""
+    x = x.clone().requires_grad_()
+    losses = []
+    for _ in range(calls):
+        loss = call(x)
+        loss.backward()
+        losses.append(loss.detach())
+    return (losses, x.grad, {k: p.grad for k, p in model.named_parameters()},
+            dict(model.named_parameters()), dict(model.named_buffers()), _attrs(model))
+
+
+def _sharded_state(mesh, x, w, calls: int, example: bool = False):
+    """Per rank (threads or gloo): a converted ``Net`` called ``calls`` times."""
+    kw = {"example": x} if example else {}
+    conv = spmd.nn.convert(Loss(_net(), w), mesh, H, **kw)
+    return _state(conv, x, calls, spmd.shard_map(conv, mesh, H, P()))
+
+
+def _assert_same(got: tuple, want: tuple, input_grad: bool = True) -> None:
+    losses, xg, grads, params, buffers, attrs = got
+    wlosses, wxg, wgrads, wparams, wbuffers, wattrs = want
+    torch.testing.assert_close(torch.stack(losses), torch.stack(wlosses), **TOL)
+    if input_grad:
+        torch.testing.assert_close(xg, wxg, **TOL)
+    assert grads.keys() == wgrads.keys()
+    for k in grads:
+        torch.testing.assert_close(grads[k], wgrads[k], **TOL, msg=f"gradient of {k}")
+    for k in params:
+        torch.testing.assert_close(params[k], wparams[k], **TOL, msg=f"parameter {k}")
+    assert buffers.keys() == wbuffers.keys()
+    for k, b in buffers.items():
+        assert b.device.type != "meta", k
+        torch.testing.assert_close(b, wbuffers[k], **TOL, msg=f"buffer {k}")
+    assert attrs == wattrs
+
+
+def _one_device(x, w, calls: int) -> tuple:
+    one = Loss(_net(), w)
+    return _state(one, x, calls, one)
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_one_call_leaves_the_state_one_device_leaves(example):
+    """One rank (nothing shared): the plan's meta run leaves no trace, and ActNorm's
+    first-call initialisation happens in the real call, from the real batch."""
+    x, w = _data()
+    mesh = spmd.Mesh((1,), ("sp",))
+    for calls in (1, 2):
+        _assert_same(_sharded_state(mesh, x, w, calls, example), _one_device(x, w, calls))
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_a_forward_that_changes_shared_state_is_refused_on_rank_threads(example):
+    """4 rank threads (H = 37 split 10, 9, 9, 9) share the one model: each change of its
+    state is named (layer path, attribute, what) before anything runs, nothing moves,
+    and the state is as it was."""
+    x, w = _data()
+    mesh = spmd.Mesh((4,), ("sp",))
+    with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+        _sharded_state(mesh, x, w, 1, example)
+    assert stats.calls() == 0
+    msg = str(e.value)
+    for where, attr, what in [
+            ("in Loss.model.norm", "self.bias", "updates the parameter in place"),
+            ("in Loss.model.norm", "self.initialized", "changes the attribute (bool)"),
+            ("in Loss.model.count", "self.steps", "changes the attribute (int)"),
+            ("in Loss.model.count", "self.sizes", "changes the attribute (list)"),
+            ("in Loss.model.count", "self.n", "updates the buffer in place"),
+            ("in Loss.model.count", "self.m", "replaces the buffer"),
+            ("in Loss.model.count", "self.running", "updates the buffer in place")]:
+        assert f"  - {where}: {attr} {what} in forward; the 4 rank threads" in msg
+    assert "run on processes (spmd.launch(..., backend='gloo')" in msg
+    conv = spmd.nn.convert(Loss(_net(), w), mesh, H)
+    with pytest.raises(spmd.SpecError, match="self.steps"):
+        spmd.shard_map(conv, mesh, H, P())(x)
+    assert _attrs(conv) == _attrs(Loss(_net(), w))
+    for k, b in conv.named_buffers():
+        assert b.device.type != "meta" and not b.any(), k
+
+
+class Late(nn.Module):
+    """Counts its calls behind a branch on data, which a plan on meta tensors cannot
+    take."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            self.steps += 1
+        return 2 * x
+
+
+def test_a_change_the_plan_cannot_see_raises_after_the_forward_on_rank_threads():
+    mesh = spmd.Mesh((4,), ("sp",))
+    conv = spmd.nn.convert(Late(), mesh, H)
+    with pytest.raises(spmd.SpecError, match=r"(?s)Late's forward changed the state of layers "
+                       r"that the rank threads share, where its plan .*cannot be called on "
+                       r"meta tensors.*in Late: self.steps changes the attribute"):
+        spmd.shard_map(conv, mesh, H, H)(_data()[0])
+    alone = spmd.Mesh((1,), ("sp",))  # nothing shared: the branch runs as on one device
+    one = spmd.nn.convert(Late(), alone, H)
+    spmd.shard_map(one, alone, H, H)(_data()[0])
+    assert one.steps == 1
+
+
+def test_layers_not_looked_into_keep_their_state_to_themselves():
+    """spmd.nn's BatchNorm2d counts num_batches_tracked once per step on rank threads
+    itself: swapped in with types=, its state changes are not refused."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3)).double()
+    conv = spmd.nn.convert(net, mesh, H, types={nn.BatchNorm2d: spmd.nn.BatchNorm2d})
+    spmd.shard_map(conv, mesh, H, H)(torch.randn(2, 1, 7, 5, dtype=F64))
+    assert int(conv[1].num_batches_tracked) == 1
+    with pytest.raises(spmd.SpecError, match=r"in Sequential.1: self.num_batches_tracked "
+                       r"updates the buffer in place.*types=\{nn.BatchNorm2d: "
+                       r"spmd.nn.BatchNorm2d\}"):
+        spmd.shard_map(spmd.nn.convert(net, mesh, H), mesh, H, H)(
+            torch.randn(2, 1, 7, 5, dtype=F64))
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("example", [False, True])
+def test_one_call_leaves_the_state_one_device_leaves_world2(gloo2, example):
+    """Two processes (H = 37 split 19, 18), each its own copy: two calls leave each one's
+    state as two calls on one device leave it, ActNorm's first-call init included."""
+    x, w = _data()
+    want = _one_device(x, w, 2)
+    for got in gloo2.run(_sharded_state, (2,), ("sp",), args=(x, w, 2, example)):
+        _assert_same(got, want)
