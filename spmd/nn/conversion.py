@@ -66,7 +66,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       split tokens), is cut to this rank's part (one size exchange, at the first call);
     - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
       ``cat`` along it, a ``flatten`` that puts it behind another dim, a matmul over it,
-      an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
+      an FFT over it, ``F.unfold``'s patches across it, ``F.interpolate`` with
+      ``mode='area'`` or ``antialias=True`` along it, a ``linspace`` of this rank's
+      size, ...) are refused.
 
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
     rank's rows) and the backward of a user's ``torch.autograd.Function``.
@@ -96,7 +98,8 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             ``report``). Only shapes and dtypes are used.
         types: ``{layer type: replacement type}``: layers swapped for a replacement
             (``from_torch(module, mesh, spec)``) that handles shards itself; the
-            interpreter does not look inside them.
+            interpreter does not look inside them. ``{YourFNOLayer:
+            spmd.nn.SpectralConv2d}`` takes a layer holding the reference FNO's weights.
         allow: layer types and functions you know are right on shards here: the
             interpreter does not look inside those layers, and passes those functions;
             their outputs are split like their first input.
@@ -109,7 +112,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
 
     Raises:
         SpecError: a call that would be wrong on shards (with ``example``, or at the first
-            forward): where it is (layer path and source line), the split dim and the fix.
+            forward): where it is (layer path and source line), the split dim and the fix;
+            a change of the layers' state in forward on a threads mesh (layer path and
+            attribute); a ``model`` that ``convert`` made already (convert the original).
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
@@ -133,6 +138,14 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
     check_mesh(mesh, "convert")
+    for path, m in model.named_modules():
+        if "spmd_plan" in vars(m):
+            where = f"its layer '{path}' is" if path else "it is"
+            raise SpecError(
+                f"convert: {type(model).__name__} cannot be converted: {where} already a "
+                f"model made by spmd.nn.convert, whose forward runs on shards (of the mesh "
+                f"it was made for); convert the original single-device model once, with the "
+                f"mesh and spec it will run on")
     spec = _specs(spec, mesh)
     allow = tuple(allow)
     allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))
@@ -162,7 +175,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     def opaque(m: nn.Module) -> bool:
         return isinstance(m, allow_types + replaced + (_Sharded,))
     entry.install(new, cfg, opaque)
-    new.spmd_plan = None
+    new.spmd_plan = None  # also what marks a converted model
     if example is not None:
         plan = _plan_example(new, cfg, example)
         new.spmd_plan = plan

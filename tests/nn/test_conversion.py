@@ -48,7 +48,7 @@ def _conv(i, o, **kw):
 
 # Each case: (model, outcome): "exact", or a piece of the refusal message.
 CASES = {
-    # the silently wrong cases
+    # norms, softmax and stencils
     # a threads mesh shares the module between rank threads: each would update the stats
     "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm updates batch norm's running "
                               "statistics in training, which the rank threads"),
@@ -136,6 +136,20 @@ CASES = {
                           "lists the positions of nonzero values"),
     "conv2d(input=)": (Fn(lambda m, x: F.conv2d(input=x, weight=m.layers[0].weight, padding=1),
                           _conv(3, 2)), "exact"),
+    # patches and resampling spmd.ops has no twin for: refused in the plan
+    "F.unfold over H": (Fn(lambda m, x: F.unfold(x, 3, padding=1)),
+                        "F.unfold extracts patches across dim 2, which is split over 'sp'"),
+    "nn.Unfold over H": (nn.Unfold(2), "F.unfold extracts patches across dim 2"),
+    "F.unfold of split channels": (Fn(lambda m, x: F.unfold(x.transpose(1, 2), 2)), "exact"),
+    "x.unfold over W": (Fn(lambda m, x: x.unfold(3, 2, 2).sum(-1)), "exact"),
+    "area over H": (Fn(lambda m, x: F.interpolate(x, scale_factor=0.5, mode="area")),
+                    "F.interpolate averages areas (mode='area') along dim 2"),
+    "area's fix": (Fn(lambda m, x: F.adaptive_avg_pool2d(x, (7, 4))), "exact"),
+    "area of split channels": (Fn(lambda m, x: F.interpolate(x.transpose(1, 2), size=(3, 4),
+                                                             mode="area")), "exact"),
+    "antialias over H": (Fn(lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear",
+                                                       antialias=True)),
+                         "filters with antialias=True along dim 2"),
 }
 
 

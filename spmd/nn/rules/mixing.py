@@ -443,9 +443,10 @@ def multi_head_attention(c: Call) -> Any:
 
 
 _FFT_FIX = ("use spmd.fft's transform of the same name (it transposes split dims) in a "
-            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer "
-            "(convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
-            "holds FNO's weights)")
+            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer: "
+            "convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
+            "computes FNO's spectral convolution and holds its weights as weights1, "
+            "weights2 (complex (in, out, modes1, modes2))")
 
 
 def fft(c: Call) -> Any:
@@ -516,6 +517,10 @@ def last_two(what: str):
 
 
 def unfold(c: Call) -> Any:
+    """``Tensor.unfold(dimension, size, step)``: sliding windows along one dim; and
+    ``F.unfold`` (same name), whose rule is ``im2col``."""
+    if c.func is F.unfold:
+        return im2col(c)
     x = c.args[0]
     e = c.ent(x)
     d = _dim(_arg(c, "dimension", 1, 0), x.ndim)
@@ -526,16 +531,25 @@ def unfold(c: Call) -> Any:
 
 
 def im2col(c: Call) -> Any:
+    """``F.unfold`` ((N, C, H, W) or (C, H, W) to (N, C * k, L)): patches across a split
+    spatial dim are refused; a split batch keeps its split, split channels become a
+    split run of rows (each rank's channels' rows, in the global order). ``F.fold``:
+    refused where a patch or position dim is split."""
     x = c.args[0]
     e = c.ent(x)
-    for d in range(max(x.ndim - 2, 0) if c.name == "unfold" else 0, x.ndim):
-        if c.name == "unfold" and e[d]:
+    if c.name == "fold":
+        if any(e[-2:]):
+            c.refuse("folds patches back into an image along split dims",
+                     "keep the patch and position dims whole")
+        res = c.call()
+        return c.out(res, e[:-2] + (None,) * (res.ndim - len(e) + 2))
+    for d in range(max(x.ndim - 2, 0), x.ndim):
+        if e[d]:
             c.refuse(f"extracts patches across {_where(d, e[d])}",
-                     "use spmd.ops' convolutions or pools for windows over split dims")
-    if c.name == "fold" and any(e[1:]):
-        c.refuse("folds patches back into an image along split dims")
+                     "use a convolution (spmd.ops' twin runs it with a halo exchange), or "
+                     "spmd.halo_pad the shard and F.unfold it in a shard_map body")
     res = c.call()
-    return c.out(res, (e[0], None, None) if x.ndim == 4 and res.ndim == 3 else None)
+    return c.out(res, tuple(e[:-2]) + (None,) if res.ndim == x.ndim - 1 else None)
 
 
 def pixel_shuffle(c: Call) -> Any:
