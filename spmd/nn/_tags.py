@@ -77,33 +77,47 @@ class LocalSize(int):
     Passed to a torch call inside a converted forward, it is refused unless it stands
     where the local size is what is meant (``x.view(n, c, h, w)`` with ``h`` read from
     the same dim). Python's own uses of it (``range(h)``) cannot be seen: such code
-    runs with this rank's count.
+    runs with this rank's count. ``expr`` says how it was computed (``shape[2] * 8``),
+    for messages; arithmetic with anything but ints gives a plain number.
     """
 
     origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     derived: bool
+    expr: str
 
-    def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False):
+    def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
+                expr: str | None = None):
         self = super().__new__(cls, value)
         self.origin, self.derived = origin, derived
+        self.expr = expr if expr is not None else f"shape[{origin[0]}]"
         return self
 
-    def _same(self, value: int) -> LocalSize:
-        return LocalSize(value, self.origin, True)
+    def _op(self, o: Any, sym: str, fn, right: bool = False) -> Any:
+        if not isinstance(o, int) or isinstance(o, bool):
+            return NotImplemented  # Python then computes a plain number (float, ...)
+        a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
+        value = fn(int(o), int(self)) if right else fn(int(self), int(o))
+        return LocalSize(value, self.origin, True, f"{a} {sym} {b}")
 
-    def __add__(self, o): return self._same(int(self) + int(o))
-    __radd__ = __add__
-    def __sub__(self, o): return self._same(int(self) - int(o))
-    def __rsub__(self, o): return self._same(int(o) - int(self))
-    def __mul__(self, o): return self._same(int(self) * int(o))
-    __rmul__ = __mul__
-    def __floordiv__(self, o): return self._same(int(self) // int(o))
-    def __rfloordiv__(self, o): return self._same(int(o) // int(self))
-    def __mod__(self, o): return self._same(int(self) % int(o))
-    def __neg__(self): return self._same(-int(self))
+    def __add__(self, o): return self._op(o, "+", int.__add__)
+    def __radd__(self, o): return self._op(o, "+", int.__add__, True)
+    def __sub__(self, o): return self._op(o, "-", int.__sub__)
+    def __rsub__(self, o): return self._op(o, "-", int.__sub__, True)
+    def __mul__(self, o): return self._op(o, "*", int.__mul__)
+    def __rmul__(self, o): return self._op(o, "*", int.__mul__, True)
+    def __floordiv__(self, o): return self._op(o, "//", int.__floordiv__)
+    def __rfloordiv__(self, o): return self._op(o, "//", int.__floordiv__, True)
+    def __mod__(self, o): return self._op(o, "%", int.__mod__)
+    def __neg__(self): return LocalSize(-int(self), self.origin, True, f"-{_operand(self)}")
 
     def __repr__(self) -> str:
         return int.__repr__(self)
+
+
+def _operand(v: Any) -> str:
+    if isinstance(v, LocalSize):
+        return f"({v.expr})" if " " in v.expr else v.expr
+    return repr(int(v))
 
 
 def local_sizes(obj: Any) -> list[LocalSize]:

@@ -137,6 +137,8 @@ class Config:
             for c in plan.changes:
                 plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
                                            shared_state_problem(c, self.mesh)))
+            if plan.changes:
+                plan.notes.append(SHARED_STATE_FIX)
         return plan
 
     def planned(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> Plan:
@@ -157,14 +159,18 @@ class Config:
 
 
 def shared_state_problem(c: state.Change, mesh: Mesh) -> str:
-    """Why a change of a layer's state in forward is refused on rank threads, and the fix."""
+    """Why a change of a layer's state in forward is refused on rank threads (and the
+    twin that makes it once, where there is one; ``SHARED_STATE_FIX`` says the rest)."""
     twin = SHARDED.get(c.cls)
-    swap = (f"swap in the twin, which updates it once: types={{nn.{c.layer}: "
-            f"spmd.nn.{twin.__name__}}}; or " if twin is not None else "")
-    return (f"{c.what} in forward; the {mesh.size} rank threads of a threads mesh run this "
-            f"one {c.layer}, so it would happen {mesh.size} times per call (once per rank); "
-            f"{swap}run on processes (spmd.launch(..., backend='gloo') or torchrun: each rank "
-            f"its own copy), or make the update outside forward, once per call")
+    return (f"{c.what} in forward, which each of the {mesh.size} rank threads would do to "
+            f"the one {c.layer} they share" +
+            (f"; swap in the twin, which does it once: types={{nn.{c.layer}: "
+             f"spmd.nn.{twin.__name__}}}" if twin is not None else ""))
+
+
+SHARED_STATE_FIX = ("(a threads mesh runs every rank's forward on the one model: run on "
+                    "processes, each rank with its own copy (spmd.launch(..., backend='gloo') "
+                    "or torchrun), or make these updates outside forward, once per call)")
 
 
 class _Frame:
@@ -295,6 +301,7 @@ def _check_unplanned_changes(watch: tuple, mesh: Mesh) -> None:
                  f"it ({why}); the state is now wrong:"]
         lines += [f"  - in {c.path}: self.{c.attr} {shared_state_problem(c, mesh)}"
                   for c in found]
+        lines.append(SHARED_STATE_FIX)
         raise SpecError("\n".join(lines))
 
 

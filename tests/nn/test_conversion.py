@@ -231,6 +231,68 @@ def test_the_refusal_names_the_layer_the_line_the_dim_and_the_fix():
     assert "slices dim 2, which is split over 'sp'" in msg and "spmd.halo_pad" in msg
 
 
+def _loop(m, x):
+    rows = [x[:, :, i].sum() for i in range(x.shape[2])]  # this rank's count of rows
+    return torch.stack(rows).sum() + x
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_refusal_shows_sizes_as_computed_one_line_per_call_site(example):
+    """A split dim's size shows as the expression it came from, never the plan's
+    stand-in size as if it were a share; with example= the global size and its balanced
+    shares (37 over 4 ranks: 10, 9, 9, 9). A loop repeats one call site: one line. Many
+    call sites: under 2,000 characters, the rest counted."""
+    mesh = spmd.Mesh((4,), ("sp",))
+    x = torch.randn(2, 3, 37, 8, dtype=F64)
+
+    def refusal(f):
+        model = f if isinstance(f, nn.Module) else Fn(f)
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+            conv = spmd.nn.convert(model, mesh, H, **({"example": x} if example else {}))
+            spmd.shard_map(conv, mesh, H, P())(x)
+        assert stats.calls() == 0
+        return str(e.value)
+    msg = refusal(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]))
+    assert ("div is given shape[2] * 8, computed from this rank's share of dim 2, which is "
+            "split over 'sp', where the global size is meant") in msg
+    msg = refusal(lambda m, x: x * torch.linspace(0, 1, x.shape[2], dtype=x.dtype)[:, None])
+    assert "builds coordinates from shape[2], this rank's share of dim 2, which is split over " \
+           "'sp'" + (" (37 in all: 10, 9, 9, 9 on its 4 ranks if balanced)" if example else ":") \
+           in msg
+    for msg in (msg, refusal(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]))):
+        assert "896" not in msg and "7168" not in msg
+    msg = refusal(_loop)
+    assert msg.count("\n  - ") == 1 and "1 call(s) in Fn's forward" in msg
+    assert "picks one position of dim 2" in msg and "reached more than once" in msg
+    rolls = [Fn(lambda m, x: torch.roll(x, 1, dims=2)) for _ in range(29)]
+    msg = refusal(Fn(lambda m, x: sum(layer(x) for layer in m.layers), *rolls))
+    assert len(msg) < 2000 and "29 call(s) in Fn's forward" in msg
+    shown = msg.count("\n  - ")
+    assert 1 < shown < 29 and f"... and {29 - shown} more call site(s)" in msg
+
+
+def test_a_refusal_at_run_time_shows_this_ranks_size():
+    """After a branch on data (the plan stops there), a refusal comes as the call runs,
+    with the share each rank holds (10, 9, 9, 9), still before that call moves data."""
+    mesh = spmd.Mesh((4,), ("sp",))
+
+    def f(m, x):
+        if x.mean() > -1e9:  # meta tensors cannot say which branch runs
+            return F.interpolate(x, size=(2 * x.shape[2], x.shape[3]))
+        return x
+    x = _x().new_zeros(2, 3, 37, 8)
+
+    def per_rank(mesh):
+        lay = spmd.Layout((2, 3, 37, 8), H, mesh, {2: [10, 9, 9, 9]})
+        conv = spmd.nn.convert(Fn(f), mesh, H)
+        return _refusal_on_every_rank(mesh, conv, lay.shard(x, mesh.rank))
+    msgs = spmd.launch(per_rank, (4,), ("sp",))
+    for rank, msg in enumerate(msgs):
+        assert (f"F.interpolate is given 2 * shape[2], computed from this rank's share of dim "
+                f"2, which is split over 'sp' (here {2 * [10, 9, 9, 9][rank]}), where the "
+                f"global size is meant") in msg
+
+
 def test_the_halo_pad_rewrite_of_a_finite_difference_is_exact():
     """What the refusal points at: the stencil on halo_pad's output, in a shard_map
     body, equals the one-device difference with a zero row past the end."""

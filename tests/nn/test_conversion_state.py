@@ -182,8 +182,11 @@ def test_a_forward_that_changes_shared_state_is_refused_on_rank_threads(example)
             ("in Loss.model.count", "self.n", "updates the buffer in place"),
             ("in Loss.model.count", "self.m", "replaces the buffer"),
             ("in Loss.model.count", "self.running", "updates the buffer in place")]:
-        assert f"  - {where}: {attr} {what} in forward; the 4 rank threads" in msg
-    assert "run on processes (spmd.launch(..., backend='gloo')" in msg
+        assert f"  - {where}: {attr} {what} in forward, which each of the 4 rank threads " \
+               f"would do to the one " in msg
+    assert "(a threads mesh runs every rank's forward on the one model: run on processes, " \
+           "each rank with its own copy (spmd.launch(..., backend='gloo') or torchrun)" in msg
+    assert len(msg) < 2000
     conv = spmd.nn.convert(Loss(_net(), w), mesh, H)
     with pytest.raises(spmd.SpecError, match="self.steps"):
         spmd.shard_map(conv, mesh, H, P())(x)
@@ -211,7 +214,8 @@ def test_a_change_the_plan_cannot_see_raises_after_the_forward_on_rank_threads()
     conv = spmd.nn.convert(Late(), mesh, H)
     with pytest.raises(spmd.SpecError, match=r"(?s)Late's forward changed the state of layers "
                        r"that the rank threads share, where its plan .*cannot be called on "
-                       r"meta tensors.*in Late: self.steps changes the attribute"):
+                       r"meta tensors.*in Late: self.steps changes the attribute \(int\) in "
+                       r"forward, which each of the 4 rank threads would do"):
         spmd.shard_map(conv, mesh, H, H)(_data()[0])
     alone = spmd.Mesh((1,), ("sp",))  # nothing shared: the branch runs as on one device
     one = spmd.nn.convert(Late(), alone, H)
