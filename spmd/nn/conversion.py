@@ -80,12 +80,14 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     plan. What the forward does to its layers' state (a step counter, a buffer updated in
     place, a first-call initialisation from the data) happens in the real call only: one
     call leaves the state one call on one device leaves. On a threads mesh of more than
-    one rank every rank thread runs the one model, so a forward that changes its state
-    (an attribute, a parameter or buffer set or updated in place) is refused before
-    anything runs, naming the layer path and the attribute; where the plan cannot see
-    the change (after a branch on data), the call raises after the forward. Layers not
-    looked into (``types=``, ``allow=``, ``spmd.nn`` layers) keep their state to
-    themselves. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
+    one rank every rank thread runs the one model: buffers the forward updates in place
+    (``self.n += 1``, a running mean) are updated by each rank thread on its own copy
+    and written back once, with the value the ranks agree on (they raise, naming the
+    buffer, where they do not); any other change (an attribute, a parameter, a buffer
+    replaced) is refused before anything runs, naming the layer path and the attribute.
+    Where the plan cannot see the change (after a branch on data), the call raises
+    after the forward. Layers not looked into (``types=``, ``allow=``, ``spmd.nn``
+    layers) keep their state to themselves. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
     itself is not modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:
@@ -113,8 +115,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     Raises:
         SpecError: a call that would be wrong on shards (with ``example``, or at the first
             forward): where it is (layer path and source line), the split dim and the fix;
-            a change of the layers' state in forward on a threads mesh (layer path and
-            attribute); a ``model`` that ``convert`` made already (convert the original).
+            a change of the layers' state in forward on a threads mesh that rank threads
+            cannot each make on their own copy (layer path and attribute); a ``model``
+            that ``convert`` made already (convert the original).
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))

@@ -9,13 +9,16 @@ their input.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..comm import comm_of
 from ..core import _context
+from ..core._context import current_rank
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
@@ -39,6 +42,9 @@ class Config:
         self.strict = strict
         self.plans: dict[tuple, Plan] = {}
         self._lock = threading.Lock()
+        # rank threads' copies of the buffers a forward updates, by (call, rank)
+        self.board: dict[tuple[int, int], dict] = {}
+        self.calls = [0] * mesh.size
 
     def __deepcopy__(self, memo: dict) -> Config:
         new = Config(self.mesh, self.spec, self.name, self.allow_types, self.allow_funcs,
@@ -133,7 +139,10 @@ class Config:
                 plan.outputs.append("refused" if tag is not None and tag.poisoned else
                                     repr(spec_of(entries_of(t, self.mesh))))
         plan.changes = state.changes(before, name)
-        if self.shared_by_threads():
+        if self.shared_by_threads() and state.thread_local(plan.changes) and \
+                not plan.incomplete:
+            plan.thread_local = True  # each rank thread its own copies, committed once
+        elif self.shared_by_threads():
             for c in plan.changes:
                 plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
                                            shared_state_problem(c, self.mesh)))
@@ -228,6 +237,8 @@ class Enter:
             name = self.path.strip("'")
             frame.watch = (name, state.snapshot(module, self.cfg.is_opaque), plan.incomplete)
         run = _Run(self.cfg, planning=False)
+        if plan.thread_local:
+            run.views = state.Views(module, plan.changes)
         run.start()
         frame.run = run
         run.internal += 1
@@ -274,6 +285,8 @@ class Exit:
                 run.internal -= 1
         if frame.run is not None:
             frame.run.stop()
+            if frame.run.views is not None and not (output is None and sys.exc_info()[0]):
+                _commit(frame.run)
         if frame.watch is not None:
             _check_unplanned_changes(frame.watch, frame.run.mesh)
         return None
@@ -288,6 +301,17 @@ class Exit:
                         set_tag(t, run.mesh, e if t.ndim == ndim else (None,) * t.ndim)
         if frame.path:
             run.paths.pop()
+
+
+def _commit(run: _Run) -> None:
+    """Rank threads after a forward that updates buffers in place: the buffers take the
+    value of the ranks' copies once, where they agree (``state.Views.commit``)."""
+    cfg, mesh = run.cfg, run.mesh
+    rank = current_rank(mesh)
+    call = cfg.calls[rank] = cfg.calls[rank] + 1  # each rank thread counts its own calls
+    comm, group = comm_of(mesh), mesh.group(mesh.axis_names)
+    run.views.commit(mesh, rank, cfg.board, call,
+                     lambda: comm.barrier(group, name="convert: buffers updated in forward"))
 
 
 def _check_unplanned_changes(watch: tuple, mesh: Mesh) -> None:

@@ -90,6 +90,9 @@ class Plan:
     changes: list = field(default_factory=list)
     #: Lines said once after the refusals (a fix they share).
     notes: list[str] = field(default_factory=list)
+    #: Rank threads run the forward on their own copies of the buffers it updates in
+    #: place, and write back the value they agree on (``state.Views``).
+    thread_local: bool = False
 
     @property
     def refused(self) -> list[_Entry]:
@@ -184,6 +187,7 @@ class _Run:
         self.internal = 0  # spmd's own hooks at work: their torch calls are not the model's
         self.mode = _Mode(self)
         self._prev_converting = False
+        self.views: Any = None  # state.Views: rank threads' own copies of updated buffers
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -281,6 +285,13 @@ class _Run:
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.internal:
             return func(*args, **kwargs)
+        if self.views is not None:  # this rank thread's copies of the updated buffers
+            args = self.views.swap(args)
+            kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}
+            return self.views.unswap(self._call(func, args, kwargs))
+        return self._call(func, args, kwargs)
+
+    def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.suspended:
             return self.execute(func, args, kwargs)
         split, poisoned = self._inspect(args, kwargs)

@@ -1,14 +1,18 @@
 """A converted model's state (Python attributes, parameters, buffers) and its forward.
 
 A forward is user code with side effects: a step counter, a running mean, a first-call
-initialisation. Two rules keep them right:
+initialisation. Three rules keep them right:
 
 - the plan runs on a *planning copy* of the layers (``planning_copy``): their Python state
   copied, every tensor a meta stand-in; whatever the forward changes there is thrown
   away, so one call of a converted model leaves the state one call on one device leaves;
-- what the planned forward changed (``changes``) is what the real one will change: on a
-  threads mesh, where every rank thread runs the same layers, such a change would happen
-  once per rank, so the plan refuses it before anything runs, naming the attribute.
+- what the planned forward changed (``changes``) is what the real one will change. On a
+  threads mesh every rank thread runs the same layers: buffers updated in place are
+  updated by each rank thread on its own copy (``Views``), and written back once with
+  the value the ranks agree on (they raise, naming the buffer, where they do not);
+- other changes (an attribute, a parameter, a buffer replaced) are Python-level and
+  cannot be kept apart per rank thread: the plan refuses them before anything runs,
+  naming the layer path and the attribute.
 """
 from __future__ import annotations
 
@@ -21,12 +25,13 @@ from torch import nn
 
 from ..core.errors import SpecError
 
-__all__ = ["planning_copy", "snapshot", "changes", "Change"]
+__all__ = ["planning_copy", "snapshot", "changes", "Change", "Views", "thread_local"]
 
 # What nn.Module.__init__ puts in every layer's __dict__ (hooks, registries), less
 # ``training``, which a forward that calls ``self.train()`` changes like any attribute.
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 _SPMD = frozenset({"spmd_plan"})
+_IN_PLACE_BUFFER = "updates the buffer in place"
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
@@ -64,10 +69,10 @@ def planning_copy(module: nn.Module, keep: Iterable[Any] = ()) -> nn.Module:
 class Change:
     """One piece of a layer's state that a forward changed."""
 
-    __slots__ = ("cls", "path", "attr", "what")
+    __slots__ = ("cls", "path", "rel", "attr", "what")
 
-    def __init__(self, cls: type, path: str, attr: str, what: str):
-        self.cls, self.path, self.attr, self.what = cls, path, attr, what
+    def __init__(self, cls: type, path: str, rel: str, attr: str, what: str):
+        self.cls, self.path, self.rel, self.attr, self.what = cls, path, rel, attr, what
 
     @property
     def layer(self) -> str:
@@ -148,20 +153,22 @@ def changes(before: dict, name: str) -> list[Change]:
         now = _attrs(m)
         for k, val in attrs.items():
             if k not in now:
-                out.append(Change(layer, where, k, "deletes the attribute"))
+                out.append(Change(layer, where, path, k, "deletes the attribute"))
             elif _freeze(now[k]) != val:
-                out.append(Change(layer, where, k, f"changes the attribute ({_kind(now[k])})"))
+                out.append(Change(layer, where, path, k,
+                                  f"changes the attribute ({_kind(now[k])})"))
         for k in now.keys() - attrs.keys():
-            out.append(Change(layer, where, k, f"sets a new attribute ({_kind(now[k])})"))
+            out.append(Change(layer, where, path, k, f"sets a new attribute ({_kind(now[k])})"))
         cur = dict(list(m._parameters.items()) + list(m._buffers.items()))
         for k, (t, version) in tensors.items():
             kind = "parameter" if k in m._parameters else "buffer"
             if cur.get(k) is not t:
-                out.append(Change(layer, where, k, f"replaces the {kind}"))
+                out.append(Change(layer, where, path, k, f"replaces the {kind}"))
             elif t is not None and t._version != version:
-                out.append(Change(layer, where, k, f"updates the {kind} in place"))
+                what = _IN_PLACE_BUFFER if kind == "buffer" else "updates the parameter in place"
+                out.append(Change(layer, where, path, k, what))
         for k in cur.keys() - tensors.keys():
-            out.append(Change(layer, where, k, "registers a new parameter or buffer"))
+            out.append(Change(layer, where, path, k, "registers a new parameter or buffer"))
     return out
 
 
@@ -169,3 +176,76 @@ def _kind(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return "a tensor"
     return f"{type(v).__name__}"
+
+
+# -- rank threads: each its own copy of the buffers a forward updates in place --------------
+
+
+def thread_local(changes: list[Change]) -> bool:
+    """Whether rank threads can make these changes exactly: each updates its own copy of
+    the buffers, and one agreed value is written back (``Views``). Attributes, parameters
+    and replaced buffers are Python-level and shared: not these."""
+    return bool(changes) and all(c.what == _IN_PLACE_BUFFER for c in changes)
+
+
+class Views:
+    """This rank thread's copies of the buffers its forward updates in place.
+
+    Every torch call of the forward gets the copy where it names the buffer (and an
+    in-place call on the copy returns the buffer, so that ``self.n += 1`` rebinds
+    nothing); after the forward the ranks compare their copies and the buffers take
+    the value they agree on, once (``commit``).
+    """
+
+    def __init__(self, module: nn.Module, changes: list[Change]):
+        self.labels: dict[int, str] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.copies: dict[int, torch.Tensor] = {}
+        self.back: dict[int, torch.Tensor] = {}
+        for c in changes:
+            t = module.get_submodule(c.rel)._buffers[c.attr]
+            if t is None or id(t) in self.buffers:
+                continue
+            copy_ = t.detach().clone()
+            self.labels[id(t)] = f"{c.path}.{c.attr}"
+            self.buffers[id(t)], self.copies[id(t)], self.back[id(copy_)] = t, copy_, t
+
+    def swap(self, a: Any) -> Any:
+        """``a`` (an argument of a torch call) with the buffers replaced by the copies."""
+        if isinstance(a, torch.Tensor):
+            return self.copies.get(id(a), a)
+        if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+            return type(a)(self.swap(v) for v in a)
+        return a
+
+    def unswap(self, res: Any) -> Any:
+        """A call's result with the copies given back as their buffers."""
+        return self.back.get(id(res), res) if isinstance(res, torch.Tensor) else res
+
+    def commit(self, mesh: Any, rank: int, board: dict, call: int, barrier) -> None:
+        """After every rank's forward: the same copies everywhere, written back once
+        (by rank 0, between two barriers), or a SpecError on every rank naming the
+        buffers where the ranks differ."""
+        key = (call, rank)
+        board[key] = self.copies
+        try:
+            barrier()
+            copies = [board.get((call, r)) for r in range(mesh.size)]
+            differ = [self.labels[k] for k in self.copies
+                      if any(c is None or k not in c or not torch.equal(c[k], copies[0][k])
+                             for c in copies)]
+            if not differ and rank == 0:
+                with torch.no_grad():
+                    for k, t in self.buffers.items():
+                        t.copy_(copies[0][k])
+            barrier()
+        finally:
+            board.pop(key, None)
+        if differ:
+            raise SpecError(
+                f"convert: after the forward, the rank threads' copies of "
+                f"{', '.join(differ)} differ (the forward updates the buffer in place with "
+                f"values of the rank's own shard); one model shared by the rank threads "
+                f"can hold one value: update it from values every rank agrees on (a mean "
+                f"over the split dims), or run on processes (spmd.launch(..., "
+                f"backend='gloo') or torchrun), each rank with its own copy")

@@ -225,9 +225,11 @@ def test_a_change_the_plan_cannot_see_raises_after_the_forward_on_rank_threads()
 
 def test_layers_not_looked_into_keep_their_state_to_themselves():
     """spmd.nn's BatchNorm2d counts num_batches_tracked once per step on rank threads
-    itself: swapped in with types=, its state changes are not refused."""
+    itself: swapped in with types=, its state changes are not refused. torch's, whose
+    plan stops at float(num_batches_tracked) (momentum=None), is refused with the twin
+    named."""
     mesh = spmd.Mesh((2,), ("sp",))
-    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3)).double()
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3, momentum=None)).double()
     conv = spmd.nn.convert(net, mesh, H, types={nn.BatchNorm2d: spmd.nn.BatchNorm2d})
     spmd.shard_map(conv, mesh, H, H)(torch.randn(2, 1, 7, 5, dtype=F64))
     assert int(conv[1].num_batches_tracked) == 1
@@ -236,6 +238,66 @@ def test_layers_not_looked_into_keep_their_state_to_themselves():
                        r"spmd.nn.BatchNorm2d\}"):
         spmd.shard_map(spmd.nn.convert(net, mesh, H), mesh, H, H)(
             torch.randn(2, 1, 7, 5, dtype=F64))
+
+
+class Running(nn.Module):
+    """Buffers updated in place only: a call count, a running mean of the input (its
+    first value the first batch's mean: a first-call initialisation without a branch)
+    and a flag; the output reads them after the update."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1).double()
+        self.register_buffer("n", torch.zeros((), dtype=F64))
+        self.register_buffer("running", torch.zeros(2, dtype=F64))
+        self.register_buffer("started", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, x):
+        self.n += 1
+        with torch.no_grad():
+            mean = x.mean((0, 2, 3))
+            self.running.data.copy_(torch.where(self.started, 0.9 * self.running + 0.1 * mean,
+                                                mean))
+            self.started.fill_(True)
+        return self.conv(x) * self.n + self.running[None, :, None, None]
+
+
+def test_buffers_updated_in_place_are_exact_on_rank_threads():
+    """4 rank threads (H = 37 split 10, 9, 9, 9), 3 calls: each rank updates its own copy
+    of the buffers, the ranks' copies agree (the mean is the global one) and are written
+    back once: values, gradients and buffers as on one device. The write-back costs two
+    barriers per rank and call."""
+    x, w = _data()
+    mesh = spmd.Mesh((4,), ("sp",))
+    torch.manual_seed(0)
+    conv = spmd.nn.convert(Loss(Running(), w), mesh, H)
+    torch.manual_seed(0)
+    one = Loss(Running(), w)
+    with spmd.comm_stats() as stats:
+        got = _state(conv, x, 3, spmd.shard_map(conv, mesh, H, P()))
+    _assert_same(got, _state(one, x, 3, one))
+    assert stats.calls("convert: buffers updated in forward") == 3 * 2 * 4
+
+
+def test_buffers_the_rank_threads_update_differently_raise_naming_them():
+    """A buffer updated from this rank's own count (a Python float of a split size): the
+    copies differ, every rank raises naming it, and the buffer keeps its value."""
+    class Rows(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("rows", torch.zeros((), dtype=F64))
+
+        def forward(self, x):
+            self.rows.add_(float(x.shape[2]))
+            return 2 * x
+
+    mesh = spmd.Mesh((4,), ("sp",))
+    conv = spmd.nn.convert(Rows(), mesh, H)
+    with pytest.raises(spmd.SpecError, match=r"convert: after the forward, the rank threads' "
+                       r"copies of Rows.rows differ .*update it from values every rank "
+                       r"agrees on"):
+        spmd.shard_map(conv, mesh, H, H)(_data()[0])
+    assert float(conv.rows) == 0
 
 
 @pytest.mark.gloo

@@ -244,7 +244,8 @@ def coordinates(c: Call) -> Any:
     """arange, linspace, ...: values that depend on the position."""
     for a in list(c.args) + list(c.kwargs.values()):
         for s in local_sizes(a):
-            c.refuse(f"builds coordinates from {share(c, s)}: each rank would count from 0", "build them globally and split them "
+            c.refuse(f"builds coordinates from {share(c, s)}: each rank would count from 0",
+                     "build them globally and split them "
                      "like the data, or offset them by the shard's start "
                      "(spmd.axis_index and the layout's sizes)")
     return c.call()
