@@ -324,7 +324,10 @@ def _check_unplanned_changes(watch: tuple, mesh: Mesh) -> None:
                  f"threads share, where its plan (made before the first call) could not see "
                  f"it ({why}); the state is now wrong:"]
         lines += [f"  - in {c.path}: self.{c.attr} {shared_state_problem(c, mesh)}"
-                  for c in found]
+                  for c in found[:8]]
+        if len(found) > 8:
+            lines.append(f"  ... and {len(found) - 8} more: "
+                         f"{', '.join(c.path + '.' + c.attr for c in found[8:])}"[:300])
         lines.append(SHARED_STATE_FIX)
         raise SpecError("\n".join(lines))
 

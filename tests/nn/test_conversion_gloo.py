@@ -98,7 +98,7 @@ def _norm_net():
 
 
 def test_norms_and_softmax_over_split_dims_train_like_one_device_world2(gloo2):
-    """Issue 12: BatchNorm (running statistics, each process its own copy), GroupNorm and
+    """BatchNorm (running statistics, each process its own copy), GroupNorm and
     a softmax along the split H, converted, 3 SGD steps on 2 processes: losses,
     parameters and running statistics equal to one device."""
     g = torch.Generator().manual_seed(1)
