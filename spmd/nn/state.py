@@ -41,6 +41,18 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
     return m.requires_grad_(t.requires_grad) if t.is_floating_point() or t.is_complex() else m
 
 
+def _tensors_in(v: Any, depth: int = 3):
+    """The tensors in ``v`` and in the lists, tuples and dicts it holds (a few levels)."""
+    if isinstance(v, torch.Tensor):
+        yield v
+    elif depth and isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _tensors_in(x, depth - 1)
+    elif depth and isinstance(v, dict):
+        for x in v.values():
+            yield from _tensors_in(x, depth - 1)
+
+
 def planning_copy(module: nn.Module, keep: Iterable[Any] = ()) -> nn.Module:
     """A copy of ``module`` to plan on: its Python state deep-copied, its parameters,
     buffers and tensor attributes meta tensors (no memory); ``keep`` (the convert config,
@@ -51,8 +63,8 @@ def planning_copy(module: nn.Module, keep: Iterable[Any] = ()) -> nn.Module:
     """
     memo: dict[int, Any] = {id(k): k for k in keep}
     for m in module.modules():
-        tensors = list(m._parameters.values()) + list(m._buffers.values()) + [
-            v for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+        tensors = list(m._parameters.values()) + list(m._buffers.values()) + list(
+            _tensors_in(list(vars(m).values())))
         for t in tensors:
             if t is not None and id(t) not in memo:
                 memo[id(t)] = _stand_in(t)
