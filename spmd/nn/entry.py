@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-from ..comm import comm_of
 from ..core import _context
-from ..core._context import current_rank
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
@@ -26,7 +24,7 @@ from ..ops._window import input_layout
 from . import state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, Plan, _current, _Entry, _flat, _Run, _state
-from .modules import SHARDED, _Sharded
+from .modules import _Sharded
 
 __all__ = ["Config", "install", "example_shapes"]
 
@@ -145,9 +143,9 @@ class Config:
         elif self.shared_by_threads():
             for c in plan.changes:
                 plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
-                                           shared_state_problem(c, self.mesh)))
+                                           state.shared_state_problem(c, self.mesh)))
             if plan.changes:
-                plan.notes.append(SHARED_STATE_FIX)
+                plan.notes.append(state.SHARED_STATE_FIX)
         return plan
 
     def planned(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> Plan:
@@ -165,21 +163,6 @@ class Config:
                                  name=path.strip("'"))
                 self.plans[key] = plan
         return plan
-
-
-def shared_state_problem(c: state.Change, mesh: Mesh) -> str:
-    """Why a change of a layer's state in forward is refused on rank threads (and the
-    twin that makes it once, where there is one; ``SHARED_STATE_FIX`` says the rest)."""
-    twin = SHARDED.get(c.cls)
-    return (f"{c.what} in forward, which each of the {mesh.size} rank threads would do to "
-            f"the one {c.layer} they share" +
-            (f"; swap in the twin, which does it once: types={{nn.{c.layer}: "
-             f"spmd.nn.{twin.__name__}}}" if twin is not None else ""))
-
-
-SHARED_STATE_FIX = ("(a threads mesh runs every rank's forward on the one model: run on "
-                    "processes, each rank with its own copy (spmd.launch(..., backend='gloo') "
-                    "or torchrun), or make these updates outside forward, once per call)")
 
 
 class _Frame:
@@ -286,9 +269,9 @@ class Exit:
         if frame.run is not None:
             frame.run.stop()
             if frame.run.views is not None and not (output is None and sys.exc_info()[0]):
-                _commit(frame.run)
+                state.commit(frame.run)
         if frame.watch is not None:
-            _check_unplanned_changes(frame.watch, frame.run.mesh)
+            state.check_unplanned(frame.watch, frame.run.mesh)
         return None
 
     def _leave(self, run: _Run, frame: _Frame, output: Any) -> None:
@@ -301,35 +284,6 @@ class Exit:
                         set_tag(t, run.mesh, e if t.ndim == ndim else (None,) * t.ndim)
         if frame.path:
             run.paths.pop()
-
-
-def _commit(run: _Run) -> None:
-    """Rank threads after a forward that updates buffers in place: the buffers take the
-    value of the ranks' copies once, where they agree (``state.Views.commit``)."""
-    cfg, mesh = run.cfg, run.mesh
-    rank = current_rank(mesh)
-    call = cfg.calls[rank] = cfg.calls[rank] + 1  # each rank thread counts its own calls
-    comm, group = comm_of(mesh), mesh.group(mesh.axis_names)
-    run.views.commit(mesh, rank, cfg.board, call,
-                     lambda: comm.barrier(group, name="convert: buffers updated in forward"))
-
-
-def _check_unplanned_changes(watch: tuple, mesh: Mesh) -> None:
-    """After a forward whose plan stopped short on rank threads: raise if it changed the
-    layers' state (after the fact, but not silently)."""
-    name, before, why = watch
-    found = state.changes(before, name)
-    if found:
-        lines = [f"convert: {name}'s forward changed the state of layers that the rank "
-                 f"threads share, where its plan (made before the first call) could not see "
-                 f"it ({why}); the state is now wrong:"]
-        lines += [f"  - in {c.path}: self.{c.attr} {shared_state_problem(c, mesh)}"
-                  for c in found[:8]]
-        if len(found) > 8:
-            lines.append(f"  ... and {len(found) - 8} more: "
-                         f"{', '.join(c.path + '.' + c.attr for c in found[8:])}"[:300])
-        lines.append(SHARED_STATE_FIX)
-        raise SpecError("\n".join(lines))
 
 
 _CONV_TRANSPOSE = (torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)

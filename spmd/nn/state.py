@@ -18,14 +18,22 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..comm import comm_of
+from ..core._context import current_rank
 from ..core.errors import SpecError
+from ..core.mesh import Mesh
+from .modules import SHARDED
 
-__all__ = ["planning_copy", "snapshot", "changes", "Change", "Views", "thread_local"]
+if TYPE_CHECKING:
+    from .interpreter import _Run
+
+__all__ = ["planning_copy", "snapshot", "changes", "Change", "Views", "thread_local",
+           "shared_state_problem", "SHARED_STATE_FIX", "commit", "check_unplanned"]
 
 # What nn.Module.__init__ puts in every layer's __dict__ (hooks, registries), less
 # ``training``, which a forward that calls ``self.train()`` changes like any attribute.
@@ -184,6 +192,21 @@ def changes(before: dict, name: str) -> list[Change]:
     return out
 
 
+def shared_state_problem(c: Change, mesh: Mesh) -> str:
+    """Why a change of a layer's state in forward is refused on rank threads (and the
+    twin that makes it once, where there is one; ``SHARED_STATE_FIX`` says the rest)."""
+    twin = SHARDED.get(c.cls)
+    return (f"{c.what} in forward, which each of the {mesh.size} rank threads would do to "
+            f"the one {c.layer} they share" +
+            (f"; swap in the twin, which does it once: types={{nn.{c.layer}: "
+             f"spmd.nn.{twin.__name__}}}" if twin is not None else ""))
+
+
+SHARED_STATE_FIX = ("(a threads mesh runs every rank's forward on the one model: run on "
+                    "processes, each rank with its own copy (spmd.launch(..., backend='gloo') "
+                    "or torchrun), or make these updates outside forward, once per call)")
+
+
 def _kind(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return "a tensor"
@@ -234,7 +257,8 @@ class Views:
         """A call's result with the copies given back as their buffers."""
         return self.back.get(id(res), res) if isinstance(res, torch.Tensor) else res
 
-    def commit(self, mesh: Any, rank: int, board: dict, call: int, barrier) -> None:
+    def commit(self, mesh: Mesh, rank: int, board: dict, call: int,
+               barrier: Callable[[], None]) -> None:
         """After every rank's forward: the same copies everywhere, written back once
         (by rank 0, between two barriers), or a SpecError on every rank naming the
         buffers where the ranks differ."""
@@ -261,3 +285,32 @@ class Views:
                 f"can hold one value: update it from values every rank agrees on (a mean "
                 f"over the split dims), or run on processes (spmd.launch(..., "
                 f"backend='gloo') or torchrun), each rank with its own copy")
+
+
+def commit(run: _Run) -> None:
+    """Rank threads after a forward that updates buffers in place: the buffers take the
+    value of the ranks' copies once, where they agree (``Views.commit``)."""
+    cfg, mesh = run.cfg, run.mesh
+    rank = current_rank(mesh)
+    call = cfg.calls[rank] = cfg.calls[rank] + 1  # each rank thread counts its own calls
+    comm, group = comm_of(mesh), mesh.group(mesh.axis_names)
+    run.views.commit(mesh, rank, cfg.board, call,
+                     lambda: comm.barrier(group, name="convert: buffers updated in forward"))
+
+
+def check_unplanned(watch: tuple, mesh: Mesh) -> None:
+    """After a forward whose plan stopped short on rank threads: raise if it changed the
+    layers' state (after the fact, but not silently)."""
+    name, before, why = watch
+    found = changes(before, name)
+    if found:
+        lines = [f"convert: {name}'s forward changed the state of layers that the rank "
+                 f"threads share, where its plan (made before the first call) could not see "
+                 f"it ({why}); the state is now wrong:"]
+        lines += [f"  - in {c.path}: self.{c.attr} {shared_state_problem(c, mesh)}"
+                  for c in found[:8]]
+        if len(found) > 8:
+            lines.append(f"  ... and {len(found) - 8} more: "
+                         f"{', '.join(c.path + '.' + c.attr for c in found[8:])}"[:300])
+        lines.append(SHARED_STATE_FIX)
+        raise SpecError("\n".join(lines))
