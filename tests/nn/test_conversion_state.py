@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import spmd
@@ -309,3 +311,63 @@ def test_one_call_leaves_the_state_one_device_leaves_world2(gloo2, example):
     want = _one_device(x, w, 2)
     for got in gloo2.run(_sharded_state, (2,), ("sp",), args=(x, w, 2, example)):
         _assert_same(got, want)
+
+
+class Piece(nn.Module):
+    """One kind of state a forward may change (``kind``), then a per-position op."""
+
+    KINDS = ("none", "buffer +=", "running mean", "attribute", "buffer replaced",
+             "parameter in place")
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.register_buffer("b", torch.zeros(2, dtype=F64))
+        self.scale = nn.Parameter(torch.ones(1, 2, 1, 1, dtype=F64))
+        self.count = 0
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.kind == "buffer +=":
+                self.b += 1
+            elif self.kind == "running mean":
+                self.b.mul_(0.5).add_(x.mean((0, 2, 3)))
+            elif self.kind == "buffer replaced":
+                self.b = self.b + 1
+            elif self.kind == "parameter in place":
+                self.scale.mul_(1.5)
+        if self.kind == "attribute":
+            self.count += 1
+        return torch.tanh(x * self.scale + self.b[None, :, None, None])
+
+
+_EXACT_ON_THREADS = {"none", "buffer +=", "running mean"}
+
+
+@given(kinds=st.lists(st.sampled_from(Piece.KINDS), min_size=1, max_size=3),
+       ranks=st.integers(1, 4), h=st.integers(4, 9), seed=st.integers(0, 2 ** 16))
+def test_random_state_changes_are_exact_or_refused_before_anything_moves(kinds, ranks, h,
+                                                                         seed):
+    """Layers that change their state in any of six ways, on 1 to 4 rank threads of an
+    uneven H: two calls equal two on one device (values, gradients, parameters,
+    buffers, attributes), or, where a rank thread would change what the others share,
+    the first call is refused naming every such layer, before any byte moves."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 2, h, 3, generator=g, dtype=F64)
+    w = torch.randn(2, 2, h, 3, generator=g, dtype=F64)
+    mesh = spmd.Mesh((ranks,), ("sp",))
+
+    def make():
+        return Loss(nn.Sequential(*[Piece(k) for k in kinds]), w)
+    conv = spmd.nn.convert(make(), mesh, H)
+    shared = [i for i, k in enumerate(kinds) if k not in _EXACT_ON_THREADS]
+    if ranks > 1 and shared:
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+            spmd.shard_map(conv, mesh, H, P())(x)
+        assert stats.calls() == 0
+        for i in shared:
+            assert f"in Loss.model.{i}: self." in str(e.value)
+        assert _attrs(conv) == _attrs(make())
+        return
+    one = make()
+    _assert_same(_state(conv, x, 2, spmd.shard_map(conv, mesh, H, P())), _state(one, x, 2, one))
