@@ -268,7 +268,7 @@ class Views:
             barrier()
             copies = [board.get((call, r)) for r in range(mesh.size)]
             differ = [self.labels[k] for k in self.copies
-                      if any(c is None or k not in c or not torch.equal(c[k], copies[0][k])
+                      if any(c is None or k not in c or not _same(c[k], copies[0][k])
                              for c in copies)]
             if not differ and rank == 0:
                 with torch.no_grad():
@@ -285,6 +285,15 @@ class Views:
                 f"can hold one value: update it from values every rank agrees on (a mean "
                 f"over the split dims), or run on processes (spmd.launch(..., "
                 f"backend='gloo') or torchrun), each rank with its own copy")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN where the other has NaN too)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
 
 
 def commit(run: _Run) -> None:
