@@ -81,9 +81,10 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     place, a first-call initialisation from the data) happens in the real call only: one
     call leaves the state one call on one device leaves. On a threads mesh of more than
     one rank every rank thread runs the one model: buffers the forward updates in place
-    (``self.n += 1``, a running mean) are updated by each rank thread on its own copy
-    and written back once, with the value the ranks agree on (they raise, naming the
-    buffer, where they do not); any other change (an attribute, a parameter, a buffer
+    (``self.n += 1``, a running mean, torch's batch and instance norms' running
+    statistics) are updated by each rank thread on its own copy and written back once,
+    with the value the ranks agree on (they raise, naming the buffer, where they do
+    not); any other change (an attribute, a parameter, a buffer
     replaced) is refused before anything runs, naming the layer path and the attribute.
     Where the plan cannot see the change (after a branch on data), the call raises
     after the forward. Layers not looked into (``types=``, ``allow=``, ``spmd.nn``

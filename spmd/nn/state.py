@@ -253,6 +253,10 @@ class Views:
             return type(a)(self.swap(v) for v in a)
         return a
 
+    def holds(self, t: Any) -> bool:
+        """Whether ``t`` is one of this rank thread's copies."""
+        return isinstance(t, torch.Tensor) and id(t) in self.back
+
     def unswap(self, res: Any) -> Any:
         """A call's result with the copies given back as their buffers."""
         return self.back.get(id(res), res) if isinstance(res, torch.Tensor) else res

@@ -281,6 +281,25 @@ def test_buffers_updated_in_place_are_exact_on_rank_threads():
     assert stats.calls("convert: buffers updated in forward") == 3 * 2 * 4
 
 
+@pytest.mark.parametrize("norm", [lambda: nn.BatchNorm2d(3, momentum=0.3),
+                                  lambda: nn.InstanceNorm2d(3, track_running_stats=True)],
+                         ids=["BatchNorm2d", "InstanceNorm2d"])
+def test_torch_norms_with_running_statistics_are_exact_on_rank_threads(norm):
+    """torch's BatchNorm2d and tracked InstanceNorm2d in training, 4 rank threads, 3
+    calls: running statistics and num_batches_tracked as on one device (each rank
+    thread updated its own copy; the copies agree and are written back once)."""
+    x, _ = _data()
+    w = torch.randn(2, 3, 37, 5, generator=torch.Generator().manual_seed(2), dtype=F64)
+    mesh = spmd.Mesh((4,), ("sp",))
+
+    def make():
+        torch.manual_seed(0)
+        return Loss(nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), norm()).double(), w)
+    conv = spmd.nn.convert(make(), mesh, H)
+    one = make()
+    _assert_same(_state(conv, x, 3, spmd.shard_map(conv, mesh, H, P())), _state(one, x, 3, one))
+
+
 def test_buffers_the_rank_threads_update_differently_raise_naming_them():
     """A buffer updated from this rank's own count (a Python float of a split size): the
     copies differ, every rank raises naming it, and the buffer keeps its value."""

@@ -148,18 +148,31 @@ def _no_channel_split(c: Call, x: torch.Tensor, e) -> None:
         c.refuse(f"normalises per channel, and {_where(1, e[1])}", "keep the channels whole")
 
 
-def _no_shared_buffers(c: Call, running: Any, what: str) -> None:
-    """A threads mesh runs every rank's forward on the one module: its running
-    statistics (and num_batches_tracked) would be updated once per rank."""
-    if running is not None and c.mesh.backend == "threads":
-        layer = type(c.run.module_at())
-        twin = (f"types={{nn.{layer.__name__}: spmd.nn.{layer.__name__}}}" if layer in SHARDED
-                else "its spmd.nn twin (spmd.nn.BatchNorm2d, ...) in place of the layer")
-        c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
-                 f"of a threads mesh share (each would count num_batches_tracked)",
-                 f"swap in the twin, which counts once: {twin}; or train on processes "
-                 f"(spmd.launch(..., backend='gloo') or torchrun), or "
-                 f"track_running_stats=False")
+def _no_shared_buffers(c: Call, running: Any, what: str, var: Any = None) -> None:
+    """A threads mesh runs every rank's forward on the one module: running statistics
+    (and num_batches_tracked) updated on it would be updated once per rank. A layer's own
+    buffers are fine: the plan notes their update (meta kernels bump no version
+    counter), and each rank thread then updates its own copy of them, written back once
+    where the ranks agree (``state.Views``). Other buffers are refused."""
+    if running is None or c.mesh.backend != "threads" or c.mesh.size < 2:
+        return
+    layer = c.run.module_at()
+    if c.planning and layer is not None and any(running is b for b in layer.buffers()):
+        for t in (running, var):
+            if t is not None:
+                t.add_(0)  # on meta: no values, only the update noted
+        return
+    views = c.run.views
+    if not c.planning and views is not None and views.holds(running):
+        return
+    cls = type(layer)
+    twin = (f"types={{nn.{cls.__name__}: spmd.nn.{cls.__name__}}}" if cls in SHARDED
+            else "its spmd.nn twin (spmd.nn.BatchNorm2d, ...) in place of the layer")
+    c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
+             f"of a threads mesh share (each would update them)",
+             f"keep them as buffers of the layer that calls it, or swap in the twin, which "
+             f"updates them once: {twin}; or train on processes "
+             f"(spmd.launch(..., backend='gloo') or torchrun), or track_running_stats=False")
 
 
 def batch_norm(c: Call) -> Any:
@@ -170,7 +183,7 @@ def batch_norm(c: Call) -> Any:
     _no_channel_split(c, x, e)
     if (training or running is None) and any(e[d] for d in range(x.ndim) if d != 1):
         if training:
-            _no_shared_buffers(c, running, "batch norm")
+            _no_shared_buffers(c, running, "batch norm", _arg(c, "running_var", 2, None))
         return _ops_twin(c, ops.batch_norm)
     return c.out(c.call(), e)
 
@@ -181,7 +194,8 @@ def instance_norm(c: Call) -> Any:
     e = c.ent(x)
     _no_channel_split(c, x, e)
     if use_input and any(e[d] for d in range(2, x.ndim)):
-        _no_shared_buffers(c, _arg(c, "running_mean", 1, None), "instance norm")
+        _no_shared_buffers(c, _arg(c, "running_mean", 1, None), "instance norm",
+                           _arg(c, "running_var", 2, None))
         return _ops_twin(c, ops.instance_norm)
     return c.out(c.call(), e)
 
