@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, check_mesh
@@ -118,7 +119,8 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             forward): where it is (layer path and source line), the split dim and the fix;
             a change of the layers' state in forward on a threads mesh that rank threads
             cannot each make on their own copy (layer path and attribute); a ``model``
-            that ``convert`` made already (convert the original).
+            that ``convert`` made already (convert the original); a lazy layer whose
+            parameters do not exist yet (call the model once first).
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
@@ -150,6 +152,16 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
                 f"model made by spmd.nn.convert, whose forward runs on shards (of the mesh "
                 f"it was made for); convert the original single-device model once, with the "
                 f"mesh and spec it will run on")
+        lazy = [k for k, t in list(m.named_parameters(recurse=False)) +
+                list(m.named_buffers(recurse=False)) if is_lazy(t)]
+        if lazy:
+            raise SpecError(
+                f"convert: {type(m).__name__} {f'(layer {path!r}) ' if path else ''}has "
+                f"uninitialized parameters ({', '.join(lazy)}: a lazy layer sets them at "
+                f"its first call); convert plans the forward on a copy of the model, and "
+                f"rank threads would each set them: call the model once on one device with "
+                f"a small input of the right channels first (model(torch.zeros(1, C, 8, "
+                f"8))), then convert it")
     spec = _specs(spec, mesh)
     allow = tuple(allow)
     allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))

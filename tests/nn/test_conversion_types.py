@@ -111,3 +111,22 @@ def test_a_converted_model_is_not_converted_again():
         with pytest.raises(spmd.SpecError, match=r"its layer '1' is already a model made by"):
             spmd.nn.convert(nn.Sequential(nn.ReLU(), once), spmd.Mesh((2,), ("sp",)), H)
     assert stats.calls() == 0
+
+
+def test_a_lazy_layer_is_initialised_on_one_device_first():
+    """A lazy layer's parameters appear at its first call: refused at convert (rank
+    threads would each create them), named with the fix; after one call on one device,
+    it converts and is exact."""
+    mesh = spmd.Mesh((3,), ("sp",))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.LazyConv2d(2, 3, padding=1, dtype=F64), nn.GELU())
+    with pytest.raises(spmd.SpecError, match=r"convert: LazyConv2d \(layer '0'\) has "
+                       r"uninitialized parameters \(weight, bias: .*call the model once on "
+                       r"one device with a small input"):
+        spmd.nn.convert(net, mesh, H)
+    net(torch.zeros(1, 2, 8, 8, dtype=F64))
+    x, w = torch.randn(2, 2, 13, 8, dtype=F64), torch.randn(2, 2, 13, 8, dtype=F64)
+    conv = spmd.nn.convert(net, mesh, H)
+    got, want = _run(conv, x, w, spmd.shard_map(conv, mesh, H, H)), _run(net, x, w)
+    for g, r in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
