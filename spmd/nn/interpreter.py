@@ -30,6 +30,7 @@ from ..core import _context
 from ..core.errors import SpecError
 from . import rules
 from ._tags import (
+    LocalFloat,
     LocalSize,
     entries_of,
     plain,
@@ -337,7 +338,7 @@ class _Run:
                 if tag is not None and tag.mesh is self.mesh:
                     poisoned |= tag.poisoned
                     split |= any(tag.entries)
-            elif isinstance(a, LocalSize):
+            elif isinstance(a, (LocalSize, LocalFloat)):
                 split = True
         return split, poisoned
 

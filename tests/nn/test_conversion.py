@@ -9,6 +9,7 @@ same on every rank, and for moving no data (``comm_stats``).
 from __future__ import annotations
 
 import io
+import math
 from contextlib import redirect_stdout
 
 import pytest
@@ -133,6 +134,10 @@ CASES = {
     "a field of one shard's size": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
     "a mean by hand": (Fn(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])),
                        "this rank's share of dim 2"),
+    "a float of a local size": (Fn(lambda m, x: x * (x.shape[2] * 0.5)),
+                                "mul is given shape[2] * 0.5, computed from this rank's share"),
+    "a ratio of a local size": (Fn(lambda m, x: x * math.floor(x.shape[2] / 1.5 * 10)),
+                                "mul is given floor((shape[2] / 1.5) * 10), computed"),
     "vector norm of all": (Fn(lambda m, x: x / torch.linalg.vector_norm(x, 2)),
                            "reduces over dim 2, which is split over 'sp' and has no"),
     "torch.where(cond)": (Fn(lambda m, x: torch.stack(torch.where(x > 0)).sum() + x),

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ...core.errors import SpecError
-from .._tags import Entries, LocalSize, axes_str, local_sizes, split_dims
+from .._tags import Entries, LocalFloat, LocalSize, axes_str, local_sizes, split_dims
 
 
 class Refused(Exception):
@@ -93,7 +93,7 @@ def _where(d: int, e: tuple[str, ...]) -> str:
     return f"dim {d}, which is split over {axes_str(e)}"
 
 
-def share(c: Call, s: LocalSize) -> str:
+def share(c: Call, s: LocalSize | LocalFloat) -> str:
     """``s`` in a message: how it was computed from which split dim, and its value where
     that is a real one (at run time; the global size where the plan ran on the global
     shapes; a plan on stand-in sizes has none to give)."""
@@ -101,7 +101,7 @@ def share(c: Call, s: LocalSize) -> str:
     text = (f"{s.expr}, computed from this rank's share of {_where(d, e)}" if s.derived else
             f"{s.expr}, this rank's share of {_where(d, e)}")
     if not c.planning:
-        return f"{text} (here {int(s)})"
+        return f"{text} (here {s!r})"
     plan = c.run.plan
     if plan is not None and plan.global_sizes and not s.derived:
         n, g = c.mesh.axis_size(e), int(s)
