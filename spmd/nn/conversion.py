@@ -89,7 +89,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     replaced) is refused before anything runs, naming the layer path and the attribute.
     Where the plan cannot see the change (after a branch on data), the call raises
     after the forward. Layers not looked into (``types=``, ``allow=``, ``spmd.nn``
-    layers) keep their state to themselves. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
+    layers) keep their state to themselves. Side effects outside the model (a print, a
+    list or counter of your own that the forward or a hook appends to) happen in the
+    plan too: keep them out of forward, or let them see meta tensors. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
     itself is not modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:
