@@ -9,6 +9,8 @@ h)``, ``F.interpolate(x, size=(2 * h, w))``) is refused instead of silently wron
 """
 from __future__ import annotations
 
+import math
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -71,56 +73,119 @@ def axes_str(e: tuple[str, ...]) -> str:
     return repr(e[0]) if len(e) == 1 else repr(e)
 
 
-class LocalSize(int):
+class _Tracked:
+    """Arithmetic that remembers it started from a split dim's size (``LocalSize`` and
+    ``LocalFloat``): the result of ``+ - * / // % **`` with a number is tracked too, an int
+    as a ``LocalSize``, a float as a ``LocalFloat``. ``math.floor``/``ceil``/``trunc`` and
+    ``round`` keep the tracking. Not seen: ``int(...)`` (Python makes it a plain int) and
+    a float on the left of an int size (``0.5 * h``: Python asks the float first)."""
+
+    origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
+    expr: str
+
+    def _number(self) -> int | float:
+        return int(self) if isinstance(self, int) else float(self)
+
+    def _op(self, o: Any, sym: str, fn, right: bool = False) -> Any:
+        if not isinstance(o, (int, float)) or isinstance(o, bool):
+            return NotImplemented  # Python then computes a plain number
+        other = o._number() if isinstance(o, _Tracked) else o
+        a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
+        value = fn(other, self._number()) if right else fn(self._number(), other)
+        return _tracked(value, self.origin, f"{a} {sym} {b}")
+
+    def __add__(self, o): return self._op(o, "+", operator.add)
+    def __radd__(self, o): return self._op(o, "+", operator.add, True)
+    def __sub__(self, o): return self._op(o, "-", operator.sub)
+    def __rsub__(self, o): return self._op(o, "-", operator.sub, True)
+    def __mul__(self, o): return self._op(o, "*", operator.mul)
+    def __rmul__(self, o): return self._op(o, "*", operator.mul, True)
+    def __truediv__(self, o): return self._op(o, "/", operator.truediv)
+    def __rtruediv__(self, o): return self._op(o, "/", operator.truediv, True)
+    def __floordiv__(self, o): return self._op(o, "//", operator.floordiv)
+    def __rfloordiv__(self, o): return self._op(o, "//", operator.floordiv, True)
+    def __mod__(self, o): return self._op(o, "%", operator.mod)
+    def __pow__(self, o): return self._op(o, "**", operator.pow)
+    def __neg__(self): return _tracked(-self._number(), self.origin, f"-{_operand(self)}")
+    def __floor__(self): return self._call(math.floor, "floor")
+    def __ceil__(self): return self._call(math.ceil, "ceil")
+    def __trunc__(self): return self._call(math.trunc, "trunc")
+    def __round__(self, n=None): return self._call(lambda v: round(v, n), "round")
+
+    def _call(self, fn, name: str) -> Any:
+        return _tracked(fn(self._number()), self.origin, f"{name}({self.expr})")
+
+
+class LocalSize(_Tracked, int):
     """This rank's size along a split dim (or a value computed from one by arithmetic).
 
     Passed to a torch call inside a converted forward, it is refused unless it stands
     where the local size is what is meant (``x.view(n, c, h, w)`` with ``h`` read from
     the same dim). Python's own uses of it (``range(h)``) cannot be seen: such code
-    runs with this rank's count.
+    runs with this rank's count. ``expr`` says how it was computed (``shape[2] * 8``),
+    for messages.
     """
 
-    origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     derived: bool
 
-    def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False):
-        self = super().__new__(cls, value)
+    def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
+                expr: str | None = None):
+        self = int.__new__(cls, value)
         self.origin, self.derived = origin, derived
+        self.expr = expr if expr is not None else f"shape[{origin[0]}]"
         return self
-
-    def _same(self, value: int) -> LocalSize:
-        return LocalSize(value, self.origin, True)
-
-    def __add__(self, o): return self._same(int(self) + int(o))
-    __radd__ = __add__
-    def __sub__(self, o): return self._same(int(self) - int(o))
-    def __rsub__(self, o): return self._same(int(o) - int(self))
-    def __mul__(self, o): return self._same(int(self) * int(o))
-    __rmul__ = __mul__
-    def __floordiv__(self, o): return self._same(int(self) // int(o))
-    def __rfloordiv__(self, o): return self._same(int(o) // int(self))
-    def __mod__(self, o): return self._same(int(self) % int(o))
-    def __neg__(self): return self._same(-int(self))
 
     def __repr__(self) -> str:
         return int.__repr__(self)
 
 
-def local_sizes(obj: Any) -> list[LocalSize]:
-    """The LocalSizes in an argument (one level of nesting)."""
-    if isinstance(obj, LocalSize):
+class LocalFloat(_Tracked, float):
+    """A float computed from a ``LocalSize`` (``h * 0.5``, ``1 / h``): refused where a
+    torch call is given it, like the size it came from."""
+
+    derived = True
+
+    def __new__(cls, value: float, origin: tuple[int, tuple[str, ...]], expr: str):
+        self = float.__new__(cls, value)
+        self.origin, self.expr = origin, expr
+        return self
+
+    def __repr__(self) -> str:
+        return float.__repr__(self)
+
+
+def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return LocalSize(value, origin, True, expr)
+    if isinstance(value, float):
+        return LocalFloat(value, origin, expr)
+    return value
+
+
+def _operand(v: Any) -> str:
+    if isinstance(v, _Tracked):
+        return f"({v.expr})" if " " in v.expr else v.expr
+    return repr(v)
+
+
+def local_sizes(obj: Any) -> list[LocalSize | LocalFloat]:
+    """The LocalSizes (and LocalFloats) in an argument (one level of nesting)."""
+    if isinstance(obj, _Tracked):
         return [obj]
     if isinstance(obj, (tuple, list, torch.Size)):
-        return [v for v in obj if isinstance(v, LocalSize)]
+        return [v for v in obj if isinstance(v, _Tracked)]
     return []
 
 
 def plain(obj: Any) -> Any:
-    """``obj`` with every LocalSize turned into a plain int (before calling torch)."""
-    if isinstance(obj, LocalSize):
-        return int(obj)
+    """``obj`` with every LocalSize (LocalFloat) turned into a plain int (float), before
+    calling torch."""
+    if isinstance(obj, _Tracked):
+        return obj._number()
     if isinstance(obj, torch.Size):
         return torch.Size(int(v) for v in obj)
-    if isinstance(obj, (tuple, list)) and any(isinstance(v, LocalSize) for v in obj):
-        return type(obj)(int(v) if isinstance(v, LocalSize) else v for v in obj)
+    if isinstance(obj, (tuple, list)) and any(isinstance(v, _Tracked) for v in obj):
+        return type(obj)(v._number() if isinstance(v, _Tracked) else v for v in obj)
     return obj

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, check_mesh
@@ -66,16 +67,32 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       split tokens), is cut to this rank's part (one size exchange, at the first call);
     - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
       ``cat`` along it, a ``flatten`` that puts it behind another dim, a matmul over it,
-      an FFT over it, a ``linspace`` of this rank's size, ...) are refused.
+      an FFT over it, ``F.unfold``'s patches across it, ``F.interpolate`` with
+      ``mode='area'`` or ``antialias=True`` along it, a ``linspace`` of this rank's
+      size, ...) are refused.
 
     Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
     rank's rows) and the backward of a user's ``torch.autograd.Function``.
 
-    Before the first call with a given input signature, the forward runs once on meta
-    tensors (no memory, no communication) to make the plan; a refusal there raises on
-    every rank alike before anything runs. ``model.spmd_plan`` is the latest plan.
-    Parameters, buffers and ``state_dict`` keys are unchanged; ``model`` itself is not
-    modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
+    Before the first call with a given input signature, the forward runs once on a
+    planning copy of the layers (their Python attributes copied, their parameters and
+    buffers meta tensors: no memory, no communication) to make the plan; a refusal there
+    raises on every rank alike before anything runs. ``model.spmd_plan`` is the latest
+    plan. What the forward does to its layers' state (a step counter, a buffer updated in
+    place, a first-call initialisation from the data) happens in the real call only: one
+    call leaves the state one call on one device leaves. On a threads mesh of more than
+    one rank every rank thread runs the one model: buffers the forward updates in place
+    (``self.n += 1``, a running mean, torch's batch and instance norms' running
+    statistics) are updated by each rank thread on its own copy and written back once,
+    with the value the ranks agree on (they raise, naming the buffer, where they do
+    not); any other change (an attribute, a parameter, a buffer
+    replaced) is refused before anything runs, naming the layer path and the attribute.
+    Where the plan cannot see the change (after a branch on data), the call raises
+    after the forward. Layers not looked into (``types=``, ``allow=``, ``spmd.nn``
+    layers) keep their state to themselves. Side effects outside the model (a print, a
+    list or counter of your own that the forward or a hook appends to) happen in the
+    plan too: keep them out of forward, or let them see meta tensors. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
+    itself is not modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:
         model: the single-device model.
@@ -87,7 +104,8 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             ``report``). Only shapes and dtypes are used.
         types: ``{layer type: replacement type}``: layers swapped for a replacement
             (``from_torch(module, mesh, spec)``) that handles shards itself; the
-            interpreter does not look inside them.
+            interpreter does not look inside them. ``{YourFNOLayer:
+            spmd.nn.SpectralConv2d}`` takes a layer holding the reference FNO's weights.
         allow: layer types and functions you know are right on shards here: the
             interpreter does not look inside those layers, and passes those functions;
             their outputs are split like their first input.
@@ -100,7 +118,11 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
 
     Raises:
         SpecError: a call that would be wrong on shards (with ``example``, or at the first
-            forward): where it is (layer path and source line), the split dim and the fix.
+            forward): where it is (layer path and source line), the split dim and the fix;
+            a change of the layers' state in forward on a threads mesh that rank threads
+            cannot each make on their own copy (layer path and attribute); a ``model``
+            that ``convert`` made already (convert the original); a lazy layer whose
+            parameters do not exist yet (call the model once first).
 
     Example:
         >>> mesh = spmd.Mesh((2,), ("sp",))
@@ -124,6 +146,24 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be an nn.Module, got {type(model).__name__}")
     check_mesh(mesh, "convert")
+    for path, m in model.named_modules():
+        if "spmd_plan" in vars(m):
+            where = f"its layer '{path}' is" if path else "it is"
+            raise SpecError(
+                f"convert: {type(model).__name__} cannot be converted: {where} already a "
+                f"model made by spmd.nn.convert, whose forward runs on shards (of the mesh "
+                f"it was made for); convert the original single-device model once, with the "
+                f"mesh and spec it will run on")
+        lazy = [k for k, t in list(m.named_parameters(recurse=False)) +
+                list(m.named_buffers(recurse=False)) if is_lazy(t)]
+        if lazy:
+            raise SpecError(
+                f"convert: {type(m).__name__} {f'(layer {path!r}) ' if path else ''}has "
+                f"uninitialized parameters ({', '.join(lazy)}: a lazy layer sets them at "
+                f"its first call); convert plans the forward on a copy of the model, and "
+                f"rank threads would each set them: call the model once on one device with "
+                f"a small input of the right channels first (model(torch.zeros(1, C, 8, "
+                f"8))), then convert it")
     spec = _specs(spec, mesh)
     allow = tuple(allow)
     allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))
@@ -153,7 +193,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     def opaque(m: nn.Module) -> bool:
         return isinstance(m, allow_types + replaced + (_Sharded,))
     entry.install(new, cfg, opaque)
-    new.spmd_plan = None
+    new.spmd_plan = None  # also what marks a converted model
     if example is not None:
         plan = _plan_example(new, cfg, example)
         new.spmd_plan = plan

@@ -9,6 +9,7 @@ their input.
 """
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
+from . import state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
@@ -38,6 +40,9 @@ class Config:
         self.strict = strict
         self.plans: dict[tuple, Plan] = {}
         self._lock = threading.Lock()
+        # rank threads' copies of the buffers a forward updates, by (call, rank)
+        self.board: dict[tuple[int, int], dict] = {}
+        self.calls = [0] * mesh.size
 
     def __deepcopy__(self, memo: dict) -> Config:
         new = Config(self.mesh, self.spec, self.name, self.allow_types, self.allow_funcs,
@@ -86,11 +91,24 @@ class Config:
 
     # -- plans ---------------------------------------------------------------------------------
 
+    def is_opaque(self, m: torch.nn.Module) -> bool:
+        """A layer convert does not look into: its state is its own business too."""
+        return isinstance(m, self.allow_types + self.opaque + (_Sharded,))
+
+    def shared_by_threads(self) -> bool:
+        """Every rank of the mesh runs the model's one set of layers (rank threads)."""
+        return self.mesh.backend == "threads" and self.mesh.size > 1
+
     def plan(self, module: torch.nn.Module, args: tuple, kwargs: dict,
              shapes: Callable[[torch.Tensor, tuple], list[int]], *,
-             global_sizes: bool = False) -> Plan:
-        """Run ``module`` on meta stand-ins of tagged ``args`` (sizes from ``shapes``; the
-        global ones with ``global_sizes``)."""
+             global_sizes: bool = False, name: str | None = None) -> Plan:
+        """Run a planning copy of ``module`` (``state.planning_copy``: the forward's side
+        effects land there) on meta stand-ins of tagged ``args`` (sizes from ``shapes``;
+        the global ones with ``global_sizes``)."""
+        name = name or self.name
+        twin = state.planning_copy(module, keep=(self, self.mesh))
+        before = state.snapshot(twin, self.is_opaque)
+
         def make(a, entries):
             m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
             return m.requires_grad_(a.requires_grad) if m.is_floating_point() else m
@@ -101,7 +119,7 @@ class Config:
         run = _Run(self, planning=True, plan=plan)
         run.start()
         try:
-            out = module(*margs, **mkwargs)
+            out = twin(*margs, **mkwargs)
         except SpecError as e:
             if not getattr(e, "plan_stop", False):
                 raise  # a convert error (an spmd call in the forward, a spec too long)
@@ -118,6 +136,16 @@ class Config:
                 tag = tag_of(t)
                 plan.outputs.append("refused" if tag is not None and tag.poisoned else
                                     repr(spec_of(entries_of(t, self.mesh))))
+        plan.changes = state.changes(before, name)
+        if self.shared_by_threads() and state.thread_local(plan.changes) and \
+                not plan.incomplete:
+            plan.thread_local = True  # each rank thread its own copies, committed once
+        elif self.shared_by_threads():
+            for c in plan.changes:
+                plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
+                                           state.shared_state_problem(c, self.mesh)))
+            if plan.changes:
+                plan.notes.append(state.SHARED_STATE_FIX)
         return plan
 
     def planned(self, module: torch.nn.Module, path: str, args: tuple, kwargs: dict) -> Plan:
@@ -131,13 +159,14 @@ class Config:
             plan = self.plans.get(key)
             if plan is None:
                 plan = self.plan(module, args, kwargs,
-                                 lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)])
+                                 lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)],
+                                 name=path.strip("'"))
                 self.plans[key] = plan
         return plan
 
 
 class _Frame:
-    __slots__ = ("module", "run", "path", "suspended", "entries")
+    __slots__ = ("module", "run", "path", "suspended", "entries", "watch")
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
@@ -145,6 +174,7 @@ class _Frame:
         self.path = False
         self.suspended = False
         self.entries: tuple | None = None
+        self.watch: tuple | None = None  # (name, snapshot, why) of layers rank threads share
 
 
 def _refuse_compile() -> None:
@@ -185,7 +215,13 @@ class Enter:
         if self.cfg.strict and plan.incomplete:
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")
+        if plan.incomplete and self.cfg.shared_by_threads():
+            # what the plan did not see of the forward may change the shared layers: look
+            name = self.path.strip("'")
+            frame.watch = (name, state.snapshot(module, self.cfg.is_opaque), plan.incomplete)
         run = _Run(self.cfg, planning=False)
+        if plan.thread_local:
+            run.views = state.Views(module, plan.changes)
         run.start()
         frame.run = run
         run.internal += 1
@@ -232,6 +268,10 @@ class Exit:
                 run.internal -= 1
         if frame.run is not None:
             frame.run.stop()
+            if frame.run.views is not None and not (output is None and sys.exc_info()[0]):
+                state.commit(frame.run)
+        if frame.watch is not None:
+            state.check_unplanned(frame.watch, frame.run.mesh)
         return None
 
     def _leave(self, run: _Run, frame: _Frame, output: Any) -> None:

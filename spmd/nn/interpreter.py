@@ -30,6 +30,7 @@ from ..core import _context
 from ..core.errors import SpecError
 from . import rules
 from ._tags import (
+    LocalFloat,
     LocalSize,
     entries_of,
     plain,
@@ -86,6 +87,13 @@ class Plan:
     incomplete: str = ""
     #: The plan ran on the global shapes (``example=``), not on stand-in sizes of split dims.
     global_sizes: bool = False
+    #: What the forward changes in its layers' state (``state.Change``s).
+    changes: list = field(default_factory=list)
+    #: Lines said once after the refusals (a fix they share).
+    notes: list[str] = field(default_factory=list)
+    #: Rank threads run the forward on their own copies of the buffers it updates in
+    #: place, and write back the value they agree on (``state.Views``).
+    thread_local: bool = False
 
     @property
     def refused(self) -> list[_Entry]:
@@ -96,11 +104,23 @@ class Plan:
         return [e for e in self.entries if e.kind == "swapped"]
 
     def error(self) -> SpecError:
-        lines = [f"convert: {len(self.refused)} call(s) in {self.model}'s forward would be "
+        """The refusals, one line per call site (a loop's repeats folded into one), the
+        message kept under 2,000 characters."""
+        sites = _sites(self.refused)
+        lines = [f"convert: {len(sites)} call(s) in {self.model}'s forward would be "
                  f"wrong on shards ({', '.join(self.inputs)}); nothing has run:"]
-        for e in self.refused:
-            lines.append(f"  - {e.where}: {e.call} {e.detail}")
-        lines.append("(allow=(...) takes layer types and functions you know are right here)")
+        tail = "\n".join(self.notes + [
+            "(allow=(...) takes layer types and functions you know are right here)"])
+        size = len(lines[0]) + len(tail) + 120
+        for k, (e, n) in enumerate(sites):
+            line = f"  - {e.where}: {e.call} {e.detail}{_again(n)}"
+            if size + len(line) > _MAX_MESSAGE and k:
+                lines.append(f"  ... and {len(sites) - k} more call site(s): print the plan "
+                             f"(convert(..., example=..., report=True)) to see them all")
+                break
+            lines.append(line[:_MAX_MESSAGE - size] if not k else line)
+            size += len(line) + 1
+        lines.append(tail)
         return SpecError("\n".join(lines))
 
     def __str__(self) -> str:
@@ -109,8 +129,8 @@ class Plan:
         for e in self.entries:
             if e.kind == "passed":
                 passed[e.call] += 1
-            else:
-                lines.append(f"  {e.kind:8} {e.where}: {e.call} {e.detail}".rstrip())
+        for e, n in _sites([e for e in self.entries if e.kind != "passed"]):
+            lines.append(f"  {e.kind:8} {e.where}: {e.call} {e.detail}".rstrip() + _again(n))
         if passed:
             ops = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in sorted(passed.items()))
             lines.append(f"  passed   {sum(passed.values())} calls on split tensors that act "
@@ -123,6 +143,29 @@ class Plan:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+_MAX_MESSAGE = 2000
+
+
+def _sites(entries: list[_Entry]) -> list[tuple[_Entry, int]]:
+    """``entries`` folded by call site (where, kind and call): the first of each, and how
+    many there were (a Python loop repeats one line)."""
+    first: dict[tuple, list] = {}
+    for e in entries:
+        key = (e.kind, e.where, e.call)
+        if key in first:
+            first[key][1] += 1
+        else:
+            first[key] = [e, 1]
+    return [(e, n) for e, n in first.values()]
+
+
+def _again(n: int) -> str:
+    # The count is not shown: in a plan on stand-in sizes, a loop over a split dim's
+    # size runs the stand-in's count, not any rank's.
+    return (" (reached more than once: in a Python loop, note that range(x.shape[d]) of a "
+            "split dim counts this rank's share only)" if n > 1 else "")
 
 
 class _Mode(TorchFunctionMode):
@@ -145,6 +188,7 @@ class _Run:
         self.internal = 0  # spmd's own hooks at work: their torch calls are not the model's
         self.mode = _Mode(self)
         self._prev_converting = False
+        self.views: Any = None  # state.Views: rank threads' own copies of updated buffers
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -204,8 +248,13 @@ class _Run:
         if self.planning:  # on meta tensors, without spmd's functions
             args = tuple(self._meta(a) for a in args)
             kwargs = {k: self._meta(v) for k, v in kwargs.items()}
-            if rules.op_name(fn) in _CREATION:
+            name = rules.op_name(fn)
+            if name in _CREATION:
                 kwargs["device"] = "meta"
+            elif name == "get:data" and len(args) == 1:
+                # ``p.data`` shares no version counter with ``p``; ``detach`` does, so
+                # that ``p.data.copy_(...)`` shows in the plan as a change of ``p``
+                return args[0].detach()
             return fn(*args, **kwargs)
         prev = _context.set_converting(False)  # twins call spmd's own functions
         try:
@@ -237,6 +286,13 @@ class _Run:
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.internal:
             return func(*args, **kwargs)
+        if self.views is not None:  # this rank thread's copies of the updated buffers
+            args = self.views.swap(args)
+            kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}
+            return self.views.unswap(self._call(func, args, kwargs))
+        return self._call(func, args, kwargs)
+
+    def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.suspended:
             return self.execute(func, args, kwargs)
         split, poisoned = self._inspect(args, kwargs)
@@ -282,7 +338,7 @@ class _Run:
                 if tag is not None and tag.mesh is self.mesh:
                     poisoned |= tag.poisoned
                     split |= any(tag.entries)
-            elif isinstance(a, LocalSize):
+            elif isinstance(a, (LocalSize, LocalFloat)):
                 split = True
         return split, poisoned
 

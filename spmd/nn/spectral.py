@@ -102,16 +102,40 @@ class _SpectralConv(nn.Module):
             self.register_parameter(f"weights{c + 1}", nn.Parameter(scale * w))
 
     @classmethod
-    def from_torch(cls, module: _SpectralConv, mesh: Mesh, spec: Any) -> _SpectralConv:
-        """A copy of ``module`` that runs on shards, sharing its parameters (no copy); for
-        ``spmd.nn.convert(model, mesh, spec, types={SpectralConv2d: SpectralConv2d})``."""
-        if not isinstance(module, _SpectralConv) or module._n != cls._n:
-            raise TypeError(f"{cls.__name__}.from_torch expects a {cls.__name__}, got "
-                            f"{type(module).__name__}")
-        spec = _check_spec(cls.__name__, spec)
-        new = cls.__new__(cls)
-        new.__dict__.update(module.__dict__)
-        new.mesh, new.spec = mesh, spec
+    def from_torch(cls, module: nn.Module, mesh: Mesh, spec: Any) -> _SpectralConv:
+        """A copy of ``module`` that runs on shards, for ``spmd.nn.convert(model, mesh,
+        spec, types={LayerType: SpectralConv2d})``.
+
+        ``module`` is a ``SpectralConv2d`` (its parameters shared, no copy) or a layer of
+        your own that computes FNO's spectral convolution and holds its weights as
+        ``weights1``, ``weights2``, ... (one per corner of the spectrum, as in the
+        reference FNO): complex ``(in, out, *modes)`` or real pairs ``(in, out, *modes,
+        2)``; channels and modes are read from their shape. Complex weights become real
+        pairs (``torch.view_as_real``, the same storage) under the same names.
+
+        Raises:
+            TypeError: ``module`` holds no such weights (which one is missing or wrong).
+        """
+        if isinstance(module, _SpectralConv):
+            if module._n != cls._n:
+                raise TypeError(f"{cls.__name__}.from_torch expects a {cls.__name__}, got "
+                                f"{type(module).__name__}")
+            spec = _check_spec(cls.__name__, spec)
+            new = cls.__new__(cls)
+            new.__dict__.update(module.__dict__)
+            new.mesh, new.spec = mesh, spec
+            return new
+        ws = _fno_weights(cls, module)
+        w = ws[0]
+        modes = tuple(w.shape[2:2 + cls._n])
+        real = torch.view_as_real(w).dtype if w.is_complex() else w.dtype
+        new = cls(int(w.shape[0]), int(w.shape[1]), modes, mesh=mesh, spec=spec,
+                  device=w.device, dtype=real)
+        for c, w in enumerate(ws):
+            pair = w if not w.is_complex() else torch.view_as_real(w.detach())
+            setattr(new, f"weights{c + 1}", w if isinstance(w, nn.Parameter) and pair is w
+                    else nn.Parameter(pair, requires_grad=w.requires_grad))
+        new.train(module.training)
         return new
 
     def weights(self) -> list[torch.Tensor]:
@@ -194,6 +218,30 @@ class _SpectralConv(nn.Module):
                 out[tuple(at)] = torch.einsum("bi...,io...->bo...", xf[tuple(at)],
                                               w[tuple(take)])
         return _tie(out, xf, *ws)
+
+
+def _fno_weights(cls: type, module: nn.Module) -> list[torch.Tensor]:
+    """The reference FNO layer's corner weights ``weights1``... of ``module``, checked."""
+    n, k = cls._n, 2 ** (cls._n - 1)
+    names = ", ".join(f"weights{c + 1}" for c in range(k))
+    want = (f"{cls.__name__}.from_torch expects a {cls.__name__}, or a layer computing FNO's "
+            f"spectral convolution with its weights {names} (complex (in, out, "
+            f"{', '.join(f'modes{i + 1}' for i in range(n))}), or those as real pairs with a "
+            f"last dim of 2)")
+    ws = []
+    for c in range(k):
+        w = getattr(module, f"weights{c + 1}", None)
+        shape = None if not isinstance(w, torch.Tensor) else tuple(w.shape)
+        ok = shape is not None and (len(shape) == n + 2 if w.is_complex() else
+                                    len(shape) == n + 3 and shape[-1] == 2 and
+                                    w.is_floating_point())
+        if not ok or (ws and shape != tuple(ws[0].shape)):
+            got = ("no such tensor" if shape is None else
+                   f"{list(shape)} {str(w.dtype).replace('torch.', '')}")
+            raise TypeError(f"{want}; got {type(module).__name__} whose weights{c + 1} is "
+                            f"{got}" + (f" (weights1 is {list(ws[0].shape)})" if ws else ""))
+        ws.append(w)
+    return ws
 
 
 def _check_spec(name: str, spec: Any) -> Any:

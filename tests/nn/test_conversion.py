@@ -9,6 +9,7 @@ same on every rank, and for moving no data (``comm_stats``).
 from __future__ import annotations
 
 import io
+import math
 from contextlib import redirect_stdout
 
 import pytest
@@ -48,18 +49,21 @@ def _conv(i, o, **kw):
 
 # Each case: (model, outcome): "exact", or a piece of the refusal message.
 CASES = {
-    # cases a naive conversion gets silently wrong
-    # a threads mesh shares the module between rank threads: each would update the stats
-    "top-level BatchNorm2d": (nn.BatchNorm2d(3), "F.batch_norm updates batch norm's running "
-                              "statistics in training, which the rank threads"),
+    # norms, softmax and stencils
+    # a threads mesh shares the module between rank threads: each updates its own copy
+    # of the running statistics, written back once
+    "top-level BatchNorm2d": (nn.BatchNorm2d(3), "exact"),
+    "batch norm of other buffers": (
+        Fn(lambda m, x: F.batch_norm(x, m.rm, m.rv, training=True)),
+        "F.batch_norm updates batch norm's running statistics in training, which the rank "
+        "threads"),
     "BatchNorm2d untracked": (nn.BatchNorm2d(3, track_running_stats=False), "exact"),
     "BatchNorm2d eval": (nn.BatchNorm2d(3).eval(), "exact"),
     "top-level GroupNorm": (nn.GroupNorm(1, 3), "exact"),
     "InstanceNorm2d": (nn.InstanceNorm2d(3, affine=True), "exact"),
     "GroupNorm over split channels": (Fn(lambda m, x: F.group_norm(x.transpose(1, 2), 3)),
                                       "normalises per channel, and dim 1"),
-    "InstanceNorm2d tracked": (nn.InstanceNorm2d(3, track_running_stats=True),
-                               "updates instance norm's running statistics in training"),
+    "InstanceNorm2d tracked": (nn.InstanceNorm2d(3, track_running_stats=True), "exact"),
     "LPPool2d": (nn.LPPool2d(2, 3, 2), "exact"),
     "Softmax(dim=2)": (nn.Softmax(dim=2), "exact"),
     "Softmin(dim=2)": (nn.Softmin(dim=2), "exact"),
@@ -130,12 +134,30 @@ CASES = {
     "a field of one shard's size": (Fn(lambda m, x: x + m.pos), "one that is whole along it"),
     "a mean by hand": (Fn(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3])),
                        "this rank's share of dim 2"),
+    "a float of a local size": (Fn(lambda m, x: x * (x.shape[2] * 0.5)),
+                                "mul is given shape[2] * 0.5, computed from this rank's share"),
+    "a ratio of a local size": (Fn(lambda m, x: x * math.floor(x.shape[2] / 1.5 * 10)),
+                                "mul is given floor((shape[2] / 1.5) * 10), computed"),
     "vector norm of all": (Fn(lambda m, x: x / torch.linalg.vector_norm(x, 2)),
                            "reduces over dim 2, which is split over 'sp' and has no"),
     "torch.where(cond)": (Fn(lambda m, x: torch.stack(torch.where(x > 0)).sum() + x),
                           "lists the positions of nonzero values"),
     "conv2d(input=)": (Fn(lambda m, x: F.conv2d(input=x, weight=m.layers[0].weight, padding=1),
                           _conv(3, 2)), "exact"),
+    # patches and resampling spmd.ops has no twin for: refused in the plan
+    "F.unfold over H": (Fn(lambda m, x: F.unfold(x, 3, padding=1)),
+                        "F.unfold extracts patches across dim 2, which is split over 'sp'"),
+    "nn.Unfold over H": (nn.Unfold(2), "F.unfold extracts patches across dim 2"),
+    "F.unfold of split channels": (Fn(lambda m, x: F.unfold(x.transpose(1, 2), 2)), "exact"),
+    "x.unfold over W": (Fn(lambda m, x: x.unfold(3, 2, 2).sum(-1)), "exact"),
+    "area over H": (Fn(lambda m, x: F.interpolate(x, scale_factor=0.5, mode="area")),
+                    "F.interpolate averages areas (mode='area') along dim 2"),
+    "area's fix": (Fn(lambda m, x: F.adaptive_avg_pool2d(x, (7, 4))), "exact"),
+    "area of split channels": (Fn(lambda m, x: F.interpolate(x.transpose(1, 2), size=(3, 4),
+                                                             mode="area")), "exact"),
+    "antialias over H": (Fn(lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear",
+                                                       antialias=True)),
+                         "filters with antialias=True along dim 2"),
 }
 
 
@@ -146,6 +168,8 @@ def _make(name):
         model.pos = nn.Parameter(torch.randn(1, 1, 15, 8, dtype=F64))
     if name == "a field of one shard's size":  # one device could not add it either
         model.pos = nn.Parameter(torch.randn(1, 1, 5, 8, dtype=F64))
+    if name == "batch norm of other buffers":  # not the calling layer's buffers
+        model.rm, model.rv = torch.zeros(3, dtype=F64), torch.ones(3, dtype=F64)
     return model, outcome
 
 
@@ -215,6 +239,68 @@ def test_the_refusal_names_the_layer_the_line_the_dim_and_the_fix():
     msg = str(e.value)
     assert "in '1' (test_conversion.py:" in msg
     assert "slices dim 2, which is split over 'sp'" in msg and "spmd.halo_pad" in msg
+
+
+def _loop(m, x):
+    rows = [x[:, :, i].sum() for i in range(x.shape[2])]  # this rank's count of rows
+    return torch.stack(rows).sum() + x
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_refusal_shows_sizes_as_computed_one_line_per_call_site(example):
+    """A split dim's size shows as the expression it came from, never the plan's
+    stand-in size as if it were a share; with example= the global size and its balanced
+    shares (37 over 4 ranks: 10, 9, 9, 9). A loop repeats one call site: one line. Many
+    call sites: under 2,000 characters, the rest counted."""
+    mesh = spmd.Mesh((4,), ("sp",))
+    x = torch.randn(2, 3, 37, 8, dtype=F64)
+
+    def refusal(f):
+        model = f if isinstance(f, nn.Module) else Fn(f)
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+            conv = spmd.nn.convert(model, mesh, H, **({"example": x} if example else {}))
+            spmd.shard_map(conv, mesh, H, P())(x)
+        assert stats.calls() == 0
+        return str(e.value)
+    msg = refusal(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]))
+    assert ("div is given shape[2] * 8, computed from this rank's share of dim 2, which is "
+            "split over 'sp', where the global size is meant") in msg
+    msg = refusal(lambda m, x: x * torch.linspace(0, 1, x.shape[2], dtype=x.dtype)[:, None])
+    assert "builds coordinates from shape[2], this rank's share of dim 2, which is split over " \
+           "'sp'" + (" (37 in all: 10, 9, 9, 9 on its 4 ranks if balanced)" if example else ":") \
+           in msg
+    for msg in (msg, refusal(lambda m, x: x.sum((2, 3)) / (x.shape[2] * x.shape[3]))):
+        assert "896" not in msg and "7168" not in msg
+    msg = refusal(_loop)
+    assert msg.count("\n  - ") == 1 and "1 call(s) in Fn's forward" in msg
+    assert "picks one position of dim 2" in msg and "reached more than once" in msg
+    rolls = [Fn(lambda m, x: torch.roll(x, 1, dims=2)) for _ in range(29)]
+    msg = refusal(Fn(lambda m, x: sum(layer(x) for layer in m.layers), *rolls))
+    assert len(msg) < 2000 and "29 call(s) in Fn's forward" in msg
+    shown = msg.count("\n  - ")
+    assert 1 < shown < 29 and f"... and {29 - shown} more call site(s)" in msg
+
+
+def test_a_refusal_at_run_time_shows_this_ranks_size():
+    """After a branch on data (the plan stops there), a refusal comes as the call runs,
+    with the share each rank holds (10, 9, 9, 9), still before that call moves data."""
+    mesh = spmd.Mesh((4,), ("sp",))
+
+    def f(m, x):
+        if x.mean() > -1e9:  # meta tensors cannot say which branch runs
+            return F.interpolate(x, size=(2 * x.shape[2], x.shape[3]))
+        return x
+    x = _x().new_zeros(2, 3, 37, 8)
+
+    def per_rank(mesh):
+        lay = spmd.Layout((2, 3, 37, 8), H, mesh, {2: [10, 9, 9, 9]})
+        conv = spmd.nn.convert(Fn(f), mesh, H)
+        return _refusal_on_every_rank(mesh, conv, lay.shard(x, mesh.rank))
+    msgs = spmd.launch(per_rank, (4,), ("sp",))
+    for rank, msg in enumerate(msgs):
+        assert (f"F.interpolate is given 2 * shape[2], computed from this rank's share of dim "
+                f"2, which is split over 'sp' (here {2 * [10, 9, 9, 9][rank]}), where the "
+                f"global size is meant") in msg
 
 
 def test_the_halo_pad_rewrite_of_a_finite_difference_is_exact():
@@ -387,7 +473,7 @@ def _menu(split_dim: int):
         "avg pool": lambda c: (Fn(lambda m, x: F.avg_pool2d(x, 3, 1, 1)), False),
         "upsample": lambda c: (nn.Upsample(scale_factor=2, mode="bilinear"), False),
         "group norm": lambda c: (nn.GroupNorm(1, c).double(), False),
-        "batch norm": lambda c: (nn.BatchNorm2d(c).double(), True),  # threads: shared stats
+        "batch norm": lambda c: (nn.BatchNorm2d(c).double(), False),
         "batch norm untracked": lambda c: (nn.BatchNorm2d(c, track_running_stats=False)
                                            .double(), False),
         "gelu": lambda c: (nn.GELU(), False),

@@ -93,7 +93,7 @@ from .shapes import (
     view,
     view_as,
 )
-from .windows import _LOSSES, _indices_twin, _lp_pool, _twin, loss
+from .windows import _LOSSES, _indices_twin, _lp_pool, _twin, interpolate, loss
 
 __all__ = ["Call", "Refused", "PerOutput", "like_input", "rule_for", "op_name", "unknown",
            "raise_refusal"]
@@ -181,7 +181,7 @@ for _n in (1, 2, 3):
     _TWINS[f"lp_pool{_n}d"] = _lp_pool(_n)
 
 
-_TWINS["interpolate"] = _twin(ops.interpolate)
+_TWINS["interpolate"] = interpolate
 
 
 _TWINS["pad"] = _twin(ops.pad)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ...core.errors import SpecError
-from .._tags import Entries, axes_str, local_sizes, split_dims
+from .._tags import Entries, LocalFloat, LocalSize, axes_str, local_sizes, split_dims
 
 
 class Refused(Exception):
@@ -93,13 +93,28 @@ def _where(d: int, e: tuple[str, ...]) -> str:
     return f"dim {d}, which is split over {axes_str(e)}"
 
 
+def share(c: Call, s: LocalSize | LocalFloat) -> str:
+    """``s`` in a message: how it was computed from which split dim, and its value where
+    that is a real one (at run time; the global size where the plan ran on the global
+    shapes; a plan on stand-in sizes has none to give)."""
+    d, e = s.origin
+    text = (f"{s.expr}, computed from this rank's share of {_where(d, e)}" if s.derived else
+            f"{s.expr}, this rank's share of {_where(d, e)}")
+    if not c.planning:
+        return f"{text} (here {s!r})"
+    plan = c.run.plan
+    if plan is not None and plan.global_sizes and not s.derived:
+        n, g = c.mesh.axis_size(e), int(s)
+        shares = [g // n + (1 if r < g % n else 0) for r in range(n)]
+        return f"{text} ({g} in all: {', '.join(map(str, shares))} on its {n} ranks if balanced)"
+    return text
+
+
 def _no_local_sizes(c: Call) -> None:
     """Refuse a LocalSize given where a global size is meant."""
     for a in list(c.args) + list(c.kwargs.values()):
         for s in local_sizes(a):
-            d, e = s.origin
-            c.refuse(f"is given {int(s)}, this rank's share of {_where(d, e)}, where the "
-                     f"global size is meant",
+            c.refuse(f"is given {share(c, s)}, where the global size is meant",
                      "use the global size (or a scale factor) instead of the shard's")
 
 

@@ -148,18 +148,31 @@ def _no_channel_split(c: Call, x: torch.Tensor, e) -> None:
         c.refuse(f"normalises per channel, and {_where(1, e[1])}", "keep the channels whole")
 
 
-def _no_shared_buffers(c: Call, running: Any, what: str) -> None:
-    """A threads mesh runs every rank's forward on the one module: its running
-    statistics (and num_batches_tracked) would be updated once per rank."""
-    if running is not None and c.mesh.backend == "threads":
-        layer = type(c.run.module_at())
-        twin = (f"types={{nn.{layer.__name__}: spmd.nn.{layer.__name__}}}" if layer in SHARDED
-                else "its spmd.nn twin (spmd.nn.BatchNorm2d, ...) in place of the layer")
-        c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
-                 f"of a threads mesh share (each would count num_batches_tracked)",
-                 f"swap in the twin, which counts once: {twin}; or train on processes "
-                 f"(spmd.launch(..., backend='gloo') or torchrun), or "
-                 f"track_running_stats=False")
+def _no_shared_buffers(c: Call, running: Any, what: str, var: Any = None) -> None:
+    """A threads mesh runs every rank's forward on the one module: running statistics
+    (and num_batches_tracked) updated on it would be updated once per rank. A layer's own
+    buffers are fine: the plan notes their update (meta kernels bump no version
+    counter), and each rank thread then updates its own copy of them, written back once
+    where the ranks agree (``state.Views``). Other buffers are refused."""
+    if running is None or c.mesh.backend != "threads" or c.mesh.size < 2:
+        return
+    layer = c.run.module_at()
+    if c.planning and layer is not None and any(running is b for b in layer.buffers()):
+        for t in (running, var):
+            if t is not None:
+                t.add_(0)  # on meta: no values, only the update noted
+        return
+    views = c.run.views
+    if not c.planning and views is not None and views.holds(running):
+        return
+    cls = type(layer)
+    twin = (f"types={{nn.{cls.__name__}: spmd.nn.{cls.__name__}}}" if cls in SHARDED
+            else "its spmd.nn twin (spmd.nn.BatchNorm2d, ...) in place of the layer")
+    c.refuse(f"updates {what}'s running statistics in training, which the rank threads "
+             f"of a threads mesh share (each would update them)",
+             f"keep them as buffers of the layer that calls it, or swap in the twin, which "
+             f"updates them once: {twin}; or train on processes "
+             f"(spmd.launch(..., backend='gloo') or torchrun), or track_running_stats=False")
 
 
 def batch_norm(c: Call) -> Any:
@@ -170,7 +183,7 @@ def batch_norm(c: Call) -> Any:
     _no_channel_split(c, x, e)
     if (training or running is None) and any(e[d] for d in range(x.ndim) if d != 1):
         if training:
-            _no_shared_buffers(c, running, "batch norm")
+            _no_shared_buffers(c, running, "batch norm", _arg(c, "running_var", 2, None))
         return _ops_twin(c, ops.batch_norm)
     return c.out(c.call(), e)
 
@@ -181,7 +194,8 @@ def instance_norm(c: Call) -> Any:
     e = c.ent(x)
     _no_channel_split(c, x, e)
     if use_input and any(e[d] for d in range(2, x.ndim)):
-        _no_shared_buffers(c, _arg(c, "running_mean", 1, None), "instance norm")
+        _no_shared_buffers(c, _arg(c, "running_mean", 1, None), "instance norm",
+                           _arg(c, "running_var", 2, None))
         return _ops_twin(c, ops.instance_norm)
     return c.out(c.call(), e)
 
@@ -443,9 +457,10 @@ def multi_head_attention(c: Call) -> Any:
 
 
 _FFT_FIX = ("use spmd.fft's transform of the same name (it transposes split dims) in a "
-            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer "
-            "(convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
-            "holds FNO's weights)")
+            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer: "
+            "convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
+            "computes FNO's spectral convolution and holds its weights as weights1, "
+            "weights2 (complex (in, out, modes1, modes2))")
 
 
 def fft(c: Call) -> Any:
@@ -516,6 +531,10 @@ def last_two(what: str):
 
 
 def unfold(c: Call) -> Any:
+    """``Tensor.unfold(dimension, size, step)``: sliding windows along one dim; and
+    ``F.unfold`` (same name), whose rule is ``im2col``."""
+    if c.func is F.unfold:
+        return im2col(c)
     x = c.args[0]
     e = c.ent(x)
     d = _dim(_arg(c, "dimension", 1, 0), x.ndim)
@@ -526,16 +545,25 @@ def unfold(c: Call) -> Any:
 
 
 def im2col(c: Call) -> Any:
+    """``F.unfold`` ((N, C, H, W) or (C, H, W) to (N, C * k, L)): patches across a split
+    spatial dim are refused; a split batch keeps its split, split channels become a
+    split run of rows (each rank's channels' rows, in the global order). ``F.fold``:
+    refused where a patch or position dim is split."""
     x = c.args[0]
     e = c.ent(x)
-    for d in range(max(x.ndim - 2, 0) if c.name == "unfold" else 0, x.ndim):
-        if c.name == "unfold" and e[d]:
+    if c.name == "fold":
+        if any(e[-2:]):
+            c.refuse("folds patches back into an image along split dims",
+                     "keep the patch and position dims whole")
+        res = c.call()
+        return c.out(res, e[:-2] + (None,) * (res.ndim - len(e) + 2))
+    for d in range(max(x.ndim - 2, 0), x.ndim):
+        if e[d]:
             c.refuse(f"extracts patches across {_where(d, e[d])}",
-                     "use spmd.ops' convolutions or pools for windows over split dims")
-    if c.name == "fold" and any(e[1:]):
-        c.refuse("folds patches back into an image along split dims")
+                     "use a convolution (spmd.ops' twin runs it with a halo exchange), or "
+                     "spmd.halo_pad the shard and F.unfold it in a shard_map body")
     res = c.call()
-    return c.out(res, (e[0], None, None) if x.ndim == 4 and res.ndim == 3 else None)
+    return c.out(res, tuple(e[:-2]) + (None,) if res.ndim == x.ndim - 1 else None)
 
 
 def pixel_shuffle(c: Call) -> Any:

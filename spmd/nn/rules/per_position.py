@@ -8,7 +8,17 @@ import torch
 
 from ...ops._window import input_layout
 from .._tags import LocalSize, local_sizes, spec_of
-from ._base import Call, _arg, _dim, _no_local_sizes, _split, _tensors, _where, broadcast
+from ._base import (
+    Call,
+    _arg,
+    _dim,
+    _no_local_sizes,
+    _split,
+    _tensors,
+    _where,
+    broadcast,
+    share,
+)
 
 
 def pointwise(c: Call) -> Any:
@@ -168,14 +178,14 @@ def numel(c: Call) -> Any:
     x = c.args[0]
     sp = _split(c, x)
     n = c.call()
-    return LocalSize(n, (sp[0], c.ent(x)[sp[0]])) if sp else n
+    return LocalSize(n, (sp[0], c.ent(x)[sp[0]]), True, "numel()") if sp else n
 
 
 def length(c: Call) -> Any:
     x = c.args[0]
     n = c.call()
     e = c.ent(x)
-    return LocalSize(n, (0, e[0])) if e and e[0] else n
+    return LocalSize(n, (0, e[0]), False, "len(x)") if e and e[0] else n
 
 
 def reads_values(c: Call) -> Any:
@@ -215,9 +225,8 @@ def creation(c: Call) -> Any:
     for v in sizes:
         if isinstance(v, LocalSize):
             if v.derived:
-                d, e = v.origin
-                c.refuse(f"makes a dim of size {int(v)}, computed from this rank's share of "
-                         f"{_where(d, e)}", "make it from the shard's own size, or globally")
+                c.refuse(f"makes a dim of size {share(c, v)}",
+                         "make it from the shard's own size, or globally")
             entries.append(v.origin[1])
         else:
             entries.append(None)
@@ -235,9 +244,8 @@ def coordinates(c: Call) -> Any:
     """arange, linspace, ...: values that depend on the position."""
     for a in list(c.args) + list(c.kwargs.values()):
         for s in local_sizes(a):
-            d, e = s.origin
-            c.refuse(f"builds coordinates from {int(s)}, this rank's share of {_where(d, e)}: "
-                     f"each rank would count from 0", "build them globally and split them "
+            c.refuse(f"builds coordinates from {share(c, s)}: each rank would count from 0",
+                     "build them globally and split them "
                      "like the data, or offset them by the shard's start "
                      "(spmd.axis_index and the layout's sizes)")
     return c.call()

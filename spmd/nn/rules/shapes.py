@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .._tags import Entries, LocalSize, split_dims
-from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast
+from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast, share
 from .per_position import same
 
 _BIG = 1_000_003  # a split dim's stand-in size when matching dims through a view
@@ -70,9 +70,7 @@ def view(c: Call) -> Any:
         if isinstance(v, LocalSize) and not v.derived and e[v.origin[0]] == v.origin[1]:
             canon.append(_BIG + v.origin[0])
         elif isinstance(v, LocalSize):
-            d, ax = v.origin
-            c.refuse(f"reshapes with {int(v)}, computed from this rank's share of "
-                     f"{_where(d, ax)}", "keep split dims as they are (pass -1 or "
+            c.refuse(f"reshapes with {share(c, v)}", "keep split dims as they are (pass -1 or "
                      "x.shape[d] there)")
         else:
             canon.append(int(v))
@@ -340,8 +338,7 @@ def _no_local_sizes_in_index(c: Call, idx: Any) -> None:
         vals = [v.start, v.stop, v.step] if isinstance(v, slice) else [v]
         for s in vals:
             if isinstance(s, LocalSize):
-                d, ax = s.origin
-                c.refuse(f"indexes with {int(s)}, this rank's share of {_where(d, ax)}")
+                c.refuse(f"indexes with {share(c, s)}")
 
 
 def setitem(c: Call) -> Any:

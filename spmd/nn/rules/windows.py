@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ... import ops
 from ...transforms.reduction import reduce as _reduce
 from .._tags import spec_of
-from ._base import Call, _no_local_sizes, _where, broadcast, like_input
+from ._base import Call, _arg, _no_local_sizes, _where, broadcast, like_input
 
 
 def _swap(c: Call, detail: str, make: Callable[[Any], Callable]) -> Any:
@@ -44,6 +44,42 @@ def _twin(real: Callable):
             return lambda *args, **kwargs: real(*args, mesh=c.mesh, spec=spec, **kwargs)
         return _swap(c, f"-> spmd.ops.{real.__name__}", make)
     return rule
+
+
+_INTERPOLATE_TWIN = _twin(ops.interpolate)
+_RESAMPLING = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic"}
+
+
+def interpolate(c: Call) -> Any:
+    """``F.interpolate``: per sample and channel, so a split batch or channel dim passes;
+    along split spatial dims, ``spmd.ops.interpolate`` where it has the mode, and a
+    refusal in the plan (before anything moves) where it has not."""
+    x = c.args[0]
+    e = c.ent(x)
+    spatial = [d for d in range(2, x.ndim) if e[d]]
+    if not spatial:
+        return c.out(c.call(), like_input(c, x))
+    d = spatial[0]
+    mode = _arg(c, "mode", 3, "nearest")
+    if mode == "area":
+        n = x.ndim - 2
+        c.refuse(f"averages areas (mode='area') along {_where(d, e[d])}, which "
+                 f"spmd.ops.interpolate does not do",
+                 f"call F.adaptive_avg_pool{n}d(x, output_size) with the global output size "
+                 f"(what mode='area' computes; convert runs its spmd.ops twin)")
+    if _arg(c, "antialias", 6, False):
+        c.refuse(f"filters with antialias=True along {_where(d, e[d])}, whose support grows "
+                 f"with the downsampling factor; spmd.ops.interpolate has no such filter",
+                 "pass antialias=False")
+    if mode not in _RESAMPLING:
+        c.refuse(f"resamples with mode={mode!r} along {_where(d, e[d])}, which "
+                 f"spmd.ops.interpolate does not do",
+                 f"use one of {', '.join(sorted(_RESAMPLING))}")
+    if not x.is_floating_point() and mode not in ("nearest", "nearest-exact"):
+        c.refuse(f"resamples a {x.dtype} input with mode={mode!r} along {_where(d, e[d])}, "
+                 f"which spmd.ops.interpolate does only for floating inputs",
+                 "convert x to a floating dtype first")
+    return _INTERPOLATE_TWIN(c)
 
 
 def _indices_twin(real: Callable):
