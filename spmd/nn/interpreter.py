@@ -164,8 +164,8 @@ def _sites(entries: list[_Entry]) -> list[tuple[_Entry, int]]:
 def _again(n: int) -> str:
     # The count is not shown: in a plan on stand-in sizes, a loop over a split dim's
     # size runs the stand-in's count, not any rank's.
-    return (" (reached more than once: in a Python loop, note that range(x.shape[d]) of a "
-            "split dim counts this rank's share only)" if n > 1 else "")
+    return (" (reached more than once from this line; if that is a Python loop over a split "
+            "dim's size, range(x.shape[d]) counts this rank's share only)" if n > 1 else "")
 
 
 class _Mode(TorchFunctionMode):
