@@ -90,48 +90,61 @@ def make_data(count: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 
 # -- training ------------------------------------------------------------------------------
 
-def new_model(mesh: spmd.Mesh | None, dtype: torch.dtype) -> FNO:
-    torch.manual_seed(0)  # the same initial weights in every run, every process
-    return FNO(3, 1, modes=8, width=16, hidden=32, mesh=mesh,
+def new_model(mesh: spmd.Mesh | None, dtype: torch.dtype, *, modes: int = 8, width: int = 16,
+              hidden: int = 32) -> FNO:
+    """The FNO every run trains, the same initial weights each time it is built (seed 0).
+    Build it from ordinary code (one process, or each gloo process): rank threads share
+    torch's one generator, so it must not be built inside a threads mesh's rank code."""
+    torch.manual_seed(0)
+    return FNO(3, 1, modes=modes, width=width, hidden=hidden, mesh=mesh,
                spec=None if mesh is None else SPEC, dtype=dtype)
 
 
+def sharded_mse(model: FNO, mesh: spmd.Mesh, count: int) -> Callable:
+    """``loss(x, t)``: the global MSE of a sharded FNO, a ``shard_map`` whose body runs the
+    model on this rank's rows and adds the ranks' sums of squared errors (one psum)."""
+    body = lambda x, t: spmd.psum(((model(x) - t) ** 2).sum(), "sp") / count  # noqa: E731
+    # params named: on processes their gradients are summed over "sp"
+    return spmd.shard_map(body, mesh, (SPEC, SPEC), P(), params=list(model.parameters()))
+
+
 def train(model: FNO, loss: Callable[[], torch.Tensor], test_loss: Callable[[], torch.Tensor],
-          steps: int) -> dict:
+          steps: int, callback: Callable[[int, float], None] | None = None) -> dict:
+    """Adam on ``loss``; ``callback(step, loss)`` after each step. Returns the losses, the
+    test loss, the seconds and the trained parameters."""
     opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     losses, t0 = [], time.perf_counter()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         opt.zero_grad()
         value = loss()
         value.backward()
         opt.step()
         losses.append(value.item())
+        if callback is not None:
+            callback(step, losses[-1])
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         test = test_loss().item()
-    return {"losses": losses, "test": test, "seconds": seconds}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "test": test, "seconds": seconds, "params": params}
 
 
-def train_one_device(data, steps: int, dtype: torch.dtype) -> dict:
+def train_one_device(data, steps: int, dtype: torch.dtype, callback=None, **sizes) -> dict:
     (x, t), (xt, tt) = [(v.to(dtype) for v in pair) for pair in data]
-    model = new_model(None, dtype)
+    model = new_model(None, dtype, **sizes)
     mse = lambda x, t: ((model(x) - t) ** 2).mean()  # noqa: E731
-    return train(model, lambda: mse(x, t), lambda: mse(xt, tt), steps)
+    return train(model, lambda: mse(x, t), lambda: mse(xt, tt), steps, callback)
 
 
-def train_sharded(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype) -> dict:
+def train_sharded(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype, callback=None,
+                  **sizes) -> dict:
     """Every rank runs the FNO on its rows; the loss is the global mean (one psum). On a
     threads mesh call it once; on gloo every process calls it and trains the same model."""
     (x, t), (xt, tt) = [(v.to(dtype) for v in pair) for pair in data]
-    model = new_model(mesh, dtype)
-
-    def mse(n: int):
-        body = lambda x, t: spmd.psum(((model(x) - t) ** 2).sum(), "sp") / n  # noqa: E731
-        # params named: on processes their gradients are summed over "sp"
-        return spmd.shard_map(body, mesh, (SPEC, SPEC), P(), params=list(model.parameters()))
-
-    train_loss, test_loss = mse(t.numel()), mse(tt.numel())
-    return train(model, lambda: train_loss(x, t), lambda: test_loss(xt, tt), steps)
+    model = new_model(mesh, dtype, **sizes)
+    train_loss = sharded_mse(model, mesh, t.numel())
+    test_loss = sharded_mse(model, mesh, tt.numel())
+    return train(model, lambda: train_loss(x, t), lambda: test_loss(xt, tt), steps, callback)
 
 
 def train_gloo(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype) -> dict:
