@@ -27,6 +27,10 @@ def test_large_sample_trains_on_blocks_like_one_device():
     assert len({r[2:4] for r in rows}) == 1  # every process trained the same model
     assert all(float(r[4]) < 1e-6 for r in rows)
     assert float(rows[0][3]) < float(rows[0][2])  # and it learns
+    # progress while it runs: rank 0 reports each step, with the seconds since the start
+    steps = re.findall(r"^  \[ *[\d.]+ s\] step (\d)/2, loss (\S+)$", out.stdout, re.M)
+    assert [s for s, _ in steps] == ["1", "2"], out.stdout
+    assert float(steps[0][1]) == pytest.approx(float(rows[0][2]), rel=1e-3)
 
 
 def _train_resume(*flags: str) -> tuple[str, list[tuple[str, int, float]], float]:
