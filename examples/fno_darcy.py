@@ -14,6 +14,13 @@
    each training its own copy on its rows, gradients summed over the ranks. The spectral
    layers transform across ranks (``spmd.fft``); the 1x1 convs act on each shard.
 3. The loss curves are plotted together (``--out``): they lie on top of each other.
+4. The times compare: every variant gets the same cores (``--threads``, default torch's
+   intra-op thread count here): one device that many intra-op threads, the threads mesh
+   one rank thread per rank with one intra-op thread each (the rank threads share torch's
+   one pool), each gloo process its share; the output says what each used. On a machine
+   shared with other work the times vary from run to run, multi-threaded steps the most
+   (the output says when the load average exceeds the cores). A progress line every
+   ``--every`` steps.
 """
 from __future__ import annotations
 
@@ -90,53 +97,80 @@ def make_data(count: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
 
 # -- training ------------------------------------------------------------------------------
 
-def new_model(mesh: spmd.Mesh | None, dtype: torch.dtype) -> FNO:
-    torch.manual_seed(0)  # the same initial weights in every run, every process
-    return FNO(3, 1, modes=8, width=16, hidden=32, mesh=mesh,
+def new_model(mesh: spmd.Mesh | None, dtype: torch.dtype, *, modes: int = 8, width: int = 16,
+              hidden: int = 32) -> FNO:
+    """The FNO every run trains, the same initial weights each time it is built (seed 0).
+    Build it from ordinary code (one process, or each gloo process): rank threads share
+    torch's one generator, so it must not be built inside a threads mesh's rank code."""
+    torch.manual_seed(0)
+    return FNO(3, 1, modes=modes, width=width, hidden=hidden, mesh=mesh,
                spec=None if mesh is None else SPEC, dtype=dtype)
 
 
+def sharded_mse(model: FNO, mesh: spmd.Mesh, count: int) -> Callable:
+    """``loss(x, t)``: the global MSE of a sharded FNO, a ``shard_map`` whose body runs the
+    model on this rank's rows and adds the ranks' sums of squared errors (one psum)."""
+    body = lambda x, t: spmd.psum(((model(x) - t) ** 2).sum(), "sp") / count  # noqa: E731
+    # params named: on processes their gradients are summed over "sp"
+    return spmd.shard_map(body, mesh, (SPEC, SPEC), P(), params=list(model.parameters()))
+
+
 def train(model: FNO, loss: Callable[[], torch.Tensor], test_loss: Callable[[], torch.Tensor],
-          steps: int) -> dict:
+          steps: int, callback: Callable[[int, float], None] | None = None) -> dict:
+    """Adam on ``loss``; ``callback(step, loss)`` after each step. Returns the losses, the
+    test loss, the seconds and the trained parameters."""
     opt = torch.optim.Adam(model.parameters(), lr=5e-3)
     losses, t0 = [], time.perf_counter()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         opt.zero_grad()
         value = loss()
         value.backward()
         opt.step()
         losses.append(value.item())
+        if callback is not None:
+            callback(step, losses[-1])
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         test = test_loss().item()
-    return {"losses": losses, "test": test, "seconds": seconds}
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "test": test, "seconds": seconds, "params": params}
 
 
-def train_one_device(data, steps: int, dtype: torch.dtype) -> dict:
+def train_one_device(data, steps: int, dtype: torch.dtype, callback=None, **sizes) -> dict:
     (x, t), (xt, tt) = [(v.to(dtype) for v in pair) for pair in data]
-    model = new_model(None, dtype)
+    model = new_model(None, dtype, **sizes)
     mse = lambda x, t: ((model(x) - t) ** 2).mean()  # noqa: E731
-    return train(model, lambda: mse(x, t), lambda: mse(xt, tt), steps)
+    return train(model, lambda: mse(x, t), lambda: mse(xt, tt), steps, callback)
 
 
-def train_sharded(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype) -> dict:
+def train_sharded(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype, callback=None,
+                  **sizes) -> dict:
     """Every rank runs the FNO on its rows; the loss is the global mean (one psum). On a
     threads mesh call it once; on gloo every process calls it and trains the same model."""
     (x, t), (xt, tt) = [(v.to(dtype) for v in pair) for pair in data]
-    model = new_model(mesh, dtype)
-
-    def mse(n: int):
-        body = lambda x, t: spmd.psum(((model(x) - t) ** 2).sum(), "sp") / n  # noqa: E731
-        # params named: on processes their gradients are summed over "sp"
-        return spmd.shard_map(body, mesh, (SPEC, SPEC), P(), params=list(model.parameters()))
-
-    train_loss, test_loss = mse(t.numel()), mse(tt.numel())
-    return train(model, lambda: train_loss(x, t), lambda: test_loss(xt, tt), steps)
+    model = new_model(mesh, dtype, **sizes)
+    train_loss = sharded_mse(model, mesh, t.numel())
+    test_loss = sharded_mse(model, mesh, tt.numel())
+    return train(model, lambda: train_loss(x, t), lambda: test_loss(xt, tt), steps, callback)
 
 
-def train_gloo(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype) -> dict:
-    torch.set_num_threads(1)  # 2 processes on a small machine
-    return train_sharded(mesh, data, steps, dtype)
+def train_gloo(mesh: spmd.Mesh, data, steps: int, dtype: torch.dtype, threads: int,
+               every: int) -> dict:
+    torch.set_num_threads(threads)  # this process's share of the cores
+    progress = Progress(f"{mesh.size} gloo processes", steps, every) if mesh.rank == 0 else None
+    return train_sharded(mesh, data, steps, dtype, progress)
+
+
+class Progress:
+    """``callback(step, loss)``: a line every ``every`` steps and at the last, flushed (a
+    long run is never silent)."""
+
+    def __init__(self, label: str, steps: int, every: int):
+        self.label, self.steps, self.every = label, steps, every
+
+    def __call__(self, step: int, loss: float) -> None:
+        if step % self.every == 0 or step == self.steps:
+            print(f"    {self.label} step {step:4d}/{self.steps}  loss {loss:.4e}", flush=True)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -164,32 +198,63 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--ranks", type=int, default=4, help="threads ranks")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "fno_darcy.png"))
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="cores each variant may use (default: torch's intra-op threads here, "
+                         f"{torch.get_num_threads()}): one device runs that many intra-op "
+                         "threads, each gloo process its share, the threads mesh's ranks one "
+                         "each")
+    ap.add_argument("--every", type=int, default=25, help="a progress line every N steps")
     ap.add_argument("--check", action="store_true",
                     help="a few steps; assert the sharded losses equal one device's")
     args = ap.parse_args(argv)
     if args.check:
-        args.n, args.train, args.test, args.steps = 20, 4, 2, 5
+        args.n, args.train, args.test, args.steps, args.every = 20, 4, 2, 5, 5
     dtype = torch.float32
+    cores, procs = args.threads, 2
+    per_proc = max(1, cores // procs)
+    names = ("one device", f"{args.ranks} threads ranks", f"{procs} gloo processes")
+    # The same cores for every variant, so their times compare: the rank threads share
+    # torch's one intra-op pool, so each of their ops runs on the calling rank thread.
+    used = {names[0]: f"{cores} intra-op thread{'s' * (cores > 1)}",
+            names[1]: f"{args.ranks} rank threads x 1 intra-op thread",
+            names[2]: f"{procs} processes x {per_proc} intra-op thread{'s' * (per_proc > 1)}"}
 
     t0 = time.perf_counter()
     x, t = make_data(args.train + args.test, args.n)
     data = ((x[:args.train], t[:args.train]), (x[args.train:], t[args.train:]))
     print(f"Darcy flow: {args.train} + {args.test} samples on a {args.n} x {args.n} grid, "
-          f"solved in {time.perf_counter() - t0:.1f} s")
+          f"solved in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"{args.steps} Adam steps each, on {cores} core{'s' * (cores > 1)} "
+          f"({os.cpu_count()} on this machine): " + "; ".join(f"{k}: {v}" for k, v in used.items()),
+          flush=True)
 
-    runs = {"one device": train_one_device(data, args.steps, dtype)}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > (os.cpu_count() or 1):
+        print(f"(load average {load:.1f} on {os.cpu_count()} cores: other work shares them, "
+              f"so the times below are noisy)", flush=True)
+    runs = {}
+    torch.set_num_threads(cores)
+    print(f"  {names[0]} ...", flush=True)
+    runs[names[0]] = train_one_device(data, args.steps, dtype,
+                                      Progress(names[0], args.steps, args.every))
+    torch.set_num_threads(1)
+    print(f"  {names[1]} ...", flush=True)
     mesh = spmd.Mesh((args.ranks,), ("sp",))
-    runs[f"{args.ranks} threads ranks"] = train_sharded(mesh, data, args.steps, dtype)
-    got = spmd.launch(train_gloo, (2,), ("sp",), backend="gloo", args=(data, args.steps, dtype))
-    runs["2 gloo processes"] = got[0]
+    runs[names[1]] = train_sharded(mesh, data, args.steps, dtype,
+                                   Progress(names[1], args.steps, args.every))
+    torch.set_num_threads(cores)
+    print(f"  {names[2]} ...", flush=True)
+    got = spmd.launch(train_gloo, (procs,), ("sp",), backend="gloo",
+                      args=(data, args.steps, dtype, per_proc, args.every))
+    runs[names[2]] = got[0]
 
     ref = runs["one device"]["losses"]
     for name, r in runs.items():
         rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref))
         r["rel"] = rel
         print(f"  {name:18s} loss {r['losses'][0]:.4e} -> {r['losses'][-1]:.4e}, test "
-              f"{r['test']:.4e}, {r['seconds']:.1f} s, largest relative difference from one "
-              f"device {rel:.1e}")
+              f"{r['test']:.4e}, {r['seconds']:.1f} s on {used[name]}, largest relative "
+              f"difference from one device {rel:.1e}")
     if any(math.isnan(r["losses"][-1]) for r in runs.values()):
         raise SystemExit("the loss is NaN")
     if args.check:

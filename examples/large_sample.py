@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -71,13 +72,36 @@ def reader(path: str):
     return lambda sl: field[sl]
 
 
-def train(mesh: spmd.Mesh, folder: str, rows: int, cols: int, steps: int, check: bool):
+class Say:
+    """Progress lines from rank 0, flushed, with the seconds since ``start`` (wall clock:
+    the processes start after the launching one)."""
+
+    def __init__(self, mesh: spmd.Mesh, start: float, steps: int, every: int):
+        self.on, self.start, self.steps, self.every = mesh.rank == 0, start, steps, every
+
+    def __call__(self, message: str) -> None:
+        if self.on:
+            print(f"  [{time.time() - self.start:5.1f} s] {message}", flush=True)
+
+    def step(self, step: int, loss: float) -> None:
+        """``callback(step, loss)`` for the training: a line every ``every`` steps."""
+        if step % self.every == 0 or step == self.steps:
+            self(f"step {step}/{self.steps}, loss {loss:.4e}")
+
+
+def train(mesh: spmd.Mesh, folder: str, rows: int, cols: int, steps: int, check: bool,
+          start: float, every: int):
+    say = Say(mesh, start, steps, every)
+    say(f"{mesh.size} processes up; each writes its rows of the data file")
     data = write_data(mesh, folder, rows, cols)
     x, t = (Sharded.load(reader(p), mesh, lay) for p, lay in data.values())
+    say(f"each read its block ({list(x.layout.sizes[2])} rows); training (the first step "
+        f"also plans the converted model)")
     model = demo.make_model(hidden=8, seed=0)
-    history = demo.train_sharded(model, mesh, (x, t), steps=steps, lr=2e-3)
+    history = demo.train_sharded(model, mesh, (x, t), steps=steps, lr=2e-3, callback=say.step)
     out = {"rank": mesh.rank, "block": tuple(x.local.shape), "losses": history.losses}
     if check:  # gathers the global field, on purpose: a small run only
+        say("--check: the same training on one device, on the gathered field")
         xg, tg = (spmd.gather(v, mesh, dst=None) for v in (x, t))
         one = demo.train_single(model, (xg, tg), steps=steps, lr=2e-3)
         out["param_diff"] = demo.max_param_diff(history, one)
@@ -90,11 +114,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rows", type=int, default=96)
     ap.add_argument("--cols", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--every", type=int, default=1, help="a progress line every N steps")
     ap.add_argument("--check", action="store_true", help="compare with one device")
     args = ap.parse_args(argv)
+    start = time.time()
+    print(f"starting {args.ranks} gloo processes (each imports torch and spmd)", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         got = spmd.launch(train, (args.ranks,), ("sp",), backend="gloo",
-                          args=(folder, args.rows, args.cols, args.steps, args.check))
+                          args=(folder, args.rows, args.cols, args.steps, args.check, start,
+                                args.every))
     size = 4 * 3 * args.rows * args.cols / 2**20
     print(f"field f32[1, 2+1, {args.rows}, {args.cols}] ({size:.1f} MiB) over {args.ranks} "
           f"processes; each read only its block:")

@@ -13,8 +13,9 @@ NOTEBOOKS = sorted(ROOT.glob("*.ipynb"))
 ids = [p.stem for p in NOTEBOOKS]
 
 
-def test_the_four_notebooks_exist():
-    assert ids == ["01_tour", "02_domain_parallel_cnn", "03_custom_ops", "04_property_tests"]
+def test_the_notebooks_exist():
+    assert ids == ["01_tour", "02_domain_parallel_cnn", "03_custom_ops", "04_property_tests",
+                   "05_fno_darcy", "06_attention"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)
