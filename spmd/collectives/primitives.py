@@ -64,11 +64,33 @@ def _tree(fn, x, axis_name):
 
 # -- psum ----------------------------------------------------------------------------
 
-@graph_op(like_input)
+def _counts(x: torch.Tensor) -> torch.Tensor:
+    """Bools are summed as counts: int64, as ``torch.sum`` of bools gives (JAX's psum
+    counts too, in int32). The comm layer's bool sum is logical or."""
+    return x.to(torch.int64) if x.dtype == torch.bool else x
+
+
+def _sum_meta(x: object, *args: object, **kwargs: object) -> list | None:
+    return [(x.shape, torch.int64 if x.dtype == torch.bool else x.dtype)] \
+        if isinstance(x, torch.Tensor) else None
+
+
+def _mean_dtype(dtype: torch.dtype) -> torch.dtype:
+    """pmean's result dtype: a float or complex input keeps its dtype; bools and integers
+    give the default float dtype (the mean of counts is a fraction)."""
+    return dtype if dtype.is_floating_point or dtype.is_complex else torch.get_default_dtype()
+
+
+def _mean_meta(x: object, *args: object, **kwargs: object) -> list | None:
+    return [(x.shape, _mean_dtype(x.dtype))] if isinstance(x, torch.Tensor) else None
+
+
+@graph_op(_sum_meta)
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over the ranks of ``axis_name``; the same on each of them.
 
-    ``x`` may be a pytree of tensors.
+    ``x`` may be a pytree of tensors. Bools are counted: the result is int64, as
+    ``torch.stack(xs).sum(0)`` (JAX's psum counts too, in int32).
 
     Backward: ``psum`` of the cotangent (every rank's output is its own variable).
 
@@ -79,7 +101,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(psum, x, axis_name)
     axes, rc = _setup(x, axis_name, "psum")
-    return _psum(anchor(x), axes, rc, "psum")
+    return _psum(anchor(_counts(x)), axes, rc, "psum")
 
 
 @custom_vjp
@@ -98,23 +120,28 @@ def _psum_bwd(res, g):
 _psum.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)), _psum_bwd)
 
 
-@graph_op(like_input)
+@graph_op(_mean_meta)
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Mean of ``x`` over the ranks of ``axis_name`` (``psum / axis_size``).
+
+    Bools and integers give the mean in the default float dtype (for bools: the fraction
+    of ranks holding True), as ``torch.stack(xs).to(float).mean(0)``.
 
     Backward: ``pmean`` of the cotangent (autograd through psum and the division).
     """
     if not isinstance(x, torch.Tensor):
         return _tree(pmean, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmean")
-    return _psum(anchor(x), axes, rc, "pmean") / rc.mesh.axis_size(axes)
+    s = _psum(anchor(_counts(x)), axes, rc, "pmean")
+    return s.to(_mean_dtype(x.dtype)) / rc.mesh.axis_size(axes)
 
 
 # -- pmax / pmin -------------------------------------------------------------------------
 
 @graph_op(like_input)
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise maximum over the ranks of ``axis_name``, with a gradient.
+    """Elementwise maximum over the ranks of ``axis_name``, with a gradient; for bools,
+    any (logical or).
 
     Backward: the summed cotangent goes to the rank holding the maximum. Ties share it
     equally, as ``torch.amax`` does, so a sharded ``amax`` has the single-device gradient.
@@ -127,7 +154,8 @@ def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 @graph_op(like_input)
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise minimum over the ranks of ``axis_name``; gradient as ``pmax``."""
+    """Elementwise minimum over the ranks of ``axis_name`` (for bools, all); gradient as
+    ``pmax``."""
     if not isinstance(x, torch.Tensor):
         return _tree(pmin, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmin")
@@ -216,7 +244,8 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
 
     With ``tiled=False`` dim ``scatter_dimension`` must have one entry per rank and is
     removed; with ``tiled=True`` it is split into blocks of ``sizes`` (default balanced,
-    the ``numpy.array_split`` rule, so uneven sizes are fine).
+    the ``numpy.array_split`` rule, so uneven sizes are fine). Bools are counted
+    (int64), as in ``psum``.
 
     Backward: ``all_gather`` of the cotangent (tiled alike).
 
@@ -245,7 +274,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
             raise SpecError(
                 f"psum_scatter: sizes={list(sizes)} must be {n} non-negative sizes adding up "
                 f"to dim {d} of x ({describe(x)})")
-    return _psum_scatter(anchor(x), axes, rc, d, sizes)
+    return _psum_scatter(anchor(_counts(x)), axes, rc, d, sizes)
 
 
 @custom_vjp
