@@ -271,8 +271,7 @@ class _ShardMap:
                     elif (i, rank) in sdiff_set:
                         t = t.detach().requires_grad_()  # this rank's graph starts here
                         local_s.append(t)
-                    if check:
-                        mark(t, lay)
+                    mark(t, lay)  # ops check their spec= against it (core/provenance.py)
                     loc[i] = t
             args_local = optree.tree_unflatten(treedef, loc)
             local_in = local_g + local_s
