@@ -31,7 +31,14 @@ from .comm import comm_of, validating
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
 from .core import _tree
-from .core._context import LayoutTrace, RankContext, in_rank_of, pop_trace, push_trace
+from .core._context import (
+    LayoutTrace,
+    RankContext,
+    in_rank_of,
+    pop_trace,
+    push_trace,
+    refuse_sparse,
+)
 from .core._format import describe, shape_str
 from .core._nesting import check_nested, mapped_over, refuse_nested_grad, spec_axes
 from .core.errors import SpecError
@@ -161,6 +168,7 @@ class _ShardMap:
                 if isinstance(x, Sharded):
                     layouts.append(_sharded_layout(x, s, self.mesh, _tree.keystr("args", path)))
                 elif isinstance(x, torch.Tensor):
+                    refuse_sparse(x, f"shard_map: {_tree.keystr('args', path)}")
                     layouts.append(_layout_for(x, s, self.mesh, _tree.keystr("args", path)))
                 else:
                     if s is not None and (not isinstance(s, P) or s.axes):

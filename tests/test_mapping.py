@@ -595,3 +595,10 @@ def test_nested_shard_map_over_another_axis_refuses_gradients():
     outer = _nested((None, "sp"), ("dp",), mesh)
     with pytest.raises(NotImplementedError, match=r"nested shard_map.*gradient.*'dp'"):
         outer(x)
+
+
+def test_a_sparse_argument_is_a_clear_type_error():
+    mesh = spmd.Mesh((2,), ("sp",))
+    with pytest.raises(TypeError, match=r"shard_map: args\[0\]: x is a sparse tensor "
+                       r"\(torch.sparse_coo\); .* pass x.to_dense\(\)"):
+        spmd.shard_map(lambda x: x, mesh, P("sp"), P("sp"))(torch.ones(4, 2).to_sparse())

@@ -27,9 +27,9 @@ import optree
 import torch
 
 from ..comm import comm_of
-from ..core._context import RankContext, current
+from ..core._context import RankContext, current, refuse_sparse
 from ..core._format import describe
-from ..core.errors import CommError, SpecError
+from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
@@ -46,6 +46,7 @@ def _setup(x: object, axis_name: object, what: str) -> tuple[tuple[str, ...], Ra
     axes = rc.mesh.check_axes(axis_name, what)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {describe(x)}")
+    refuse_sparse(x, what)
     return axes, rc
 
 
@@ -221,8 +222,16 @@ def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
     group = rc.mesh.group(axes, rc.rank)
     if not tiled:
         sizes = (1,) * group.size  # known: no metadata exchange needed
-    parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
-                                    name="all_gather", sizes=sizes)
+    try:
+        parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
+                                            name="all_gather", sizes=sizes)
+    except CommError as e:
+        if tiled or isinstance(e, (CommTimeout, CommAborted)):
+            raise
+        raise CommError(f"{e}. all_gather(tiled=False) stacks one x of the same shape per "
+                        f"rank: if the shards differ in size along dim {axis}, pass "
+                        f"tiled=True to concatenate them", op=e.op, axes=e.axes,
+                        missing=e.missing) from e
     got = tuple(p.shape[axis] for p in parts)
     return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
 

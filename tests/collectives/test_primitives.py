@@ -873,3 +873,34 @@ def test_rank_threads_share_the_intra_op_threads(ranks, share):
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+# -- errors that say what to do ------------------------------------------------------------------
+
+def test_untiled_all_gather_of_uneven_shards_suggests_tiled():
+    with pytest.raises(spmd.CommError, match=r"all_gather\(tiled=False\) stacks one x of the same "
+                       r"shape per rank: if the shards differ in size along dim 0, pass "
+                       r"tiled=True"):
+        _launch(lambda m: spmd.all_gather(torch.ones(m.rank + 1), "i"), shape=(2,))
+
+
+SPARSE_OPS = {
+    "psum": lambda x: spmd.psum(x, "i"),
+    "pmean": lambda x: spmd.pmean(x, "i"),
+    "pmax": lambda x: spmd.pmax(x, "i"),
+    "all_gather": lambda x: spmd.all_gather(x, "i", tiled=True),
+    "psum_scatter": lambda x: spmd.psum_scatter(x, "i", tiled=True),
+    "ppermute": lambda x: spmd.ppermute(x, "i", [(0, 1)]),
+    "all_to_all": lambda x: spmd.all_to_all(x, "i", 0, 0, tiled=True),
+    "broadcast": lambda x: spmd.broadcast(x, "i"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SPARSE_OPS))
+@pytest.mark.parametrize("to", ["to_sparse", "to_sparse_csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's own
+def test_a_sparse_tensor_is_a_clear_type_error(op, to):
+    x = getattr(torch.ones(2, 2, dtype=F64), to)()
+    with pytest.raises(TypeError, match=rf"{op}: x is a sparse tensor \(torch.sparse_(coo|csr)\); "
+                       r"collectives and spmd ops take dense tensors: pass x.to_dense\(\)"):
+        _launch(lambda m: SPARSE_OPS[op](x), shape=(2,))

@@ -106,3 +106,12 @@ def test_a_mark_follows_only_its_own_tensor_and_shape():
     assert marked(t) == lay and marked(t * 2) is None and marked(t[:1]) is None
     t.resize_(3, 4)  # an in-place reshape: the mark no longer describes it
     assert marked(t) is None
+
+
+@pytest.mark.parametrize("op", ["reduce", "softmax", "layer_norm"])
+def test_a_sparse_tensor_given_to_an_op_is_a_clear_type_error(op):
+    f = SPEC_OPS[op][0]
+    x = torch.ones(6, 4).to_sparse()
+    with pytest.raises(TypeError, match=rf"{op}: x is a sparse tensor \(torch.sparse_coo\); "
+                       r"collectives and spmd ops take dense tensors: pass x.to_dense\(\)"):
+        spmd.launch(lambda m: f(x, P()), (2,), "sp")
