@@ -21,6 +21,7 @@ from _parallel_cases import (
     Field,
     Heads,
     Partly,
+    change_after_wrapping,
     check_heads,
     check_train,
     check_unused,
@@ -751,34 +752,6 @@ def test_ranks_with_different_models_get_the_same_error():
 # The synchronised set is fixed when GradSync is built
 # =========================================================================================
 
-def _change_after_wrapping(mesh, change, on_ranks):
-    """One clean step, then ``change`` applied to the model on ``on_ranks``; the next
-    backward's error (or None) and whether the second step left per-rank gradients."""
-    torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    sync = spmd.parallel.GradSync(model, mesh, "dp")
-    x = torch.full((1, 3), float(mesh.rank + 1))
-    model(x).sum().backward()
-    sync.wait()
-    model.zero_grad()
-    if mesh.rank in on_ranks:
-        if change == "added":
-            model.extra = nn.Parameter(torch.ones(2))
-        elif change == "off":
-            model.bias.requires_grad_(False)
-        elif change == "reshaped":
-            model.bias.data = torch.zeros(1)  # broadcasts in F.linear
-    out = model(x)
-    if change == "added" and mesh.rank in on_ranks:
-        out = out * model.extra
-    try:
-        out[..., :2].sum().backward()
-        sync.wait()
-    except spmd.SpecError as e:
-        return str(e)
-    return None
-
-
 @pytest.mark.parametrize("change, says", [
     ("added", r"parameter 'extra' \(f32\[2\]\) was added to the module \(or set to require "
               r"grad\)"),
@@ -786,7 +759,7 @@ def _change_after_wrapping(mesh, change, on_ranks):
     ("reshaped", r"parameter 'bias' changed from f32\[2\] to f32\[1\]"),
 ])
 def test_a_changed_parameter_set_raises_on_every_rank_naming_it(change, says):
-    msgs = spmd.launch(_change_after_wrapping, (2,), "dp", args=(change, (0, 1)), timeout=20)
+    msgs = spmd.launch(change_after_wrapping, (2,), "dp", args=(change, (0, 1)), timeout=20)
     for r, m in enumerate(msgs):
         assert m is not None, f"rank {r} raised nothing"
         assert re.search(r"^GradSync: " + says + r" after GradSync was built \(rank " + str(r)
@@ -794,7 +767,7 @@ def test_a_changed_parameter_set_raises_on_every_rank_naming_it(change, says):
 
 
 def test_a_change_on_one_rank_only_raises_on_every_rank():
-    msgs = spmd.launch(_change_after_wrapping, (2,), "dp", args=("added", (1,)), timeout=20)
+    msgs = spmd.launch(change_after_wrapping, (2,), "dp", args=("added", (1,)), timeout=20)
     assert re.search(r"^GradSync: parameter 'extra' \(f32\[2\]\) was added", msgs[1]), msgs[1]
     assert re.search(r"^GradSync: the synchronised parameters changed after GradSync was built "
                      r"on 1 other rank of axis 'dp' \(this is rank 0\); its error names the "
