@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.testing import assert_matches_single_device
+from spmd.testing import assert_matches_single_device, on_mesh
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 DT = torch.float64
@@ -602,3 +602,11 @@ def test_a_sparse_argument_is_a_clear_type_error():
     with pytest.raises(TypeError, match=r"shard_map: args\[0\]: x is a sparse tensor "
                        r"\(torch.sparse_coo\); .* pass x.to_dense\(\)"):
         spmd.shard_map(lambda x: x, mesh, P("sp"), P("sp"))(torch.ones(4, 2).to_sparse())
+
+
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_nested_over_a_mapped_axis_is_refused_on_every_backend(mesh):
+    inner = spmd.shard_map(lambda v: spmd.psum(v.sum(), "sp"), mesh, P("sp"), P())
+    outer = spmd.shard_map(lambda v: inner(v), mesh, P("sp"), P())
+    with pytest.raises(spmd.SpecError, match=r"nested in a shard_map body mapped over axis 'sp'"):
+        outer(torch.arange(8.0))

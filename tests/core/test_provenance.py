@@ -11,6 +11,7 @@ import spmd
 from spmd import P
 from spmd.core.errors import SpecError
 from spmd.core.provenance import mark, marked
+from spmd.testing import on_mesh
 
 MESH = spmd.Mesh((2,), ("sp",))
 H = P(None, None, "sp")        # split along H
@@ -115,3 +116,22 @@ def test_a_sparse_tensor_given_to_an_op_is_a_clear_type_error(op):
     with pytest.raises(TypeError, match=rf"{op}: x is a sparse tensor \(torch.sparse_coo\); "
                        r"collectives and spmd ops take dense tensors: pass x.to_dense\(\)"):
         spmd.launch(lambda m: f(x, P()), (2,), "sp")
+
+
+@pytest.mark.parametrize("op, call", [
+    ("redistribute: src_spec", lambda t: spmd.redistribute(t, MESH, COLS, P())),
+    ("gather", lambda t: spmd.gather(t, MESH, COLS, dst=None)),
+])
+def test_a_source_spec_that_contradicts_the_split_raises(op, call):
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(SpecError, match=op + r": spec=P\(None, 'sp'\) splits dim 1 over "
+                       r"\('sp',\), but x is a shard_map argument split as \[6, 4\] cut along "
+                       r"dim 0"):
+        spmd.shard_map(call, MESH, ROWS, P())(x)
+
+
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_every_rank_raises_the_same_error_on_every_backend(mesh):
+    f = lambda t: spmd.ops.softmax(t, 1, mesh=mesh, spec=COLS)  # noqa: E731
+    with pytest.raises(SpecError, match=r"^(rank \d: )?softmax: spec=P\(None, 'sp'\) splits dim 1"):
+        spmd.shard_map(f, mesh, ROWS, ROWS)(torch.randn(4, 4))
