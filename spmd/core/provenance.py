@@ -75,12 +75,13 @@ def check_spec(x: torch.Tensor, spec: P | Layout, mesh: Any, what: str, *,
         return
     fix = f"pass the split it has (spec={real.spec!r}, or its Layout, which holds the sizes)"
     if isinstance(spec, Layout):
-        if spec != real:
+        if not _same_cut(spec, real):
             raise SpecError(f"{what}: spec={spec.spec!r} describes {name} as a shard of "
                             f"{describe_layout(spec)}, but {name} is a shard_map argument split "
                             f"as {describe_layout(real)}; {fix}")
         return
-    if any(entry_axes(spec.entry(d)) != real.dim_axes(d) for d in range(x.ndim)):
+    if any(_cut(real, entry_axes(spec.entry(d))) != _cut(real, real.dim_axes(d))
+           for d in range(x.ndim)):
         raise SpecError(f"{what}: spec={spec!r} {_describe_spec(spec, x.ndim)}, but {name} is a "
                         f"shard_map argument split as {describe_layout(real)}; {fix}")
     for d, got in (sizes or {}).items():
@@ -90,3 +91,22 @@ def check_spec(x: torch.Tensor, spec: P | Layout, mesh: Any, what: str, *,
             raise SpecError(f"{what}: sizes {shown} give dim {d} the shard sizes {list(got)}, "
                             f"but {name} is a shard_map argument split as "
                             f"{describe_layout(real)}; {fix}")
+
+
+def _cut(lay: Layout, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes that really cut: an axis of one rank cuts nothing."""
+    return tuple(a for a in axes if lay.axis_size((a,)) > 1)
+
+
+def _same_cut(a: Layout, b: Layout) -> bool:
+    """Whether two layouts of one mesh give every rank the same block (a spec naming an
+    axis of one rank, or not, is the same layout)."""
+    if a == b:
+        return True
+    if (a.shape, a.axis_names, a.mesh_shape) != (b.shape, b.axis_names, b.mesh_shape):
+        return False
+    for d in range(a.ndim):
+        cut = _cut(a, a.dim_axes(d))
+        if cut != _cut(b, b.dim_axes(d)) or (cut and a.sizes[d] != b.sizes[d]):
+            return False
+    return True

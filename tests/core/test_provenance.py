@@ -135,3 +135,18 @@ def test_every_rank_raises_the_same_error_on_every_backend(mesh):
     f = lambda t: spmd.ops.softmax(t, 1, mesh=mesh, spec=COLS)  # noqa: E731
     with pytest.raises(SpecError, match=r"^(rank \d: )?softmax: spec=P\(None, 'sp'\) splits dim 1"):
         spmd.shard_map(f, mesh, ROWS, ROWS)(torch.randn(4, 4))
+
+
+def test_an_axis_of_one_rank_cuts_nothing():
+    """P('sp') and P() lay a tensor out alike over an axis of size 1: neither is refused."""
+    mesh = spmd.Mesh((1, 2), ("sp", "dp"))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    f = lambda t: spmd.reduce(t, mesh, P(None, "dp"), dim=0)  # noqa: E731
+    got = spmd.shard_map(f, mesh, P("sp", "dp"), P("dp"))(x)
+    torch.testing.assert_close(got, x.sum(0), rtol=1e-12, atol=1e-12)
+    # A window op compares whole layouts: the same there.
+    w = torch.randn(1, 2, 3, 3, dtype=torch.float64)
+    xi = torch.randn(1, 2, 6, 4, dtype=torch.float64)
+    g = lambda t: spmd.ops.conv2d(t, w, padding=1, mesh=mesh, spec=P(None, None, "dp"))  # noqa: E731
+    got = spmd.shard_map(g, mesh, P("sp", None, "dp"), P(None, None, "dp"))(xi)
+    torch.testing.assert_close(got, F.conv2d(xi, w, padding=1), rtol=1e-12, atol=1e-12)
