@@ -31,8 +31,16 @@ from .comm import comm_of, validating
 from .comm.rank_threads import run_on_threads
 from .comm.stats import in_backward
 from .core import _tree
-from .core._context import LayoutTrace, RankContext, in_rank_of, pop_trace, push_trace
+from .core._context import (
+    LayoutTrace,
+    RankContext,
+    in_rank_of,
+    pop_trace,
+    push_trace,
+    refuse_sparse,
+)
 from .core._format import describe, shape_str
+from .core._nesting import check_nested, mapped_over, refuse_nested_grad, spec_axes
 from .core.errors import SpecError
 from .core.layout import Layout
 from .core.mesh import Mesh, check_mesh
@@ -73,6 +81,11 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
 
     Returns:
         A function of global arguments returning global outputs.
+
+    Raises:
+        SpecError: nested in a shard_map body on the same mesh, with specs naming an
+            axis the enclosing call names (its body holds shards along it).
+        NotImplementedError: nested over other axes where a gradient is needed.
 
     Backward:
         ``loss.backward()`` in the caller gives the single-device gradients for the
@@ -155,6 +168,7 @@ class _ShardMap:
                 if isinstance(x, Sharded):
                     layouts.append(_sharded_layout(x, s, self.mesh, _tree.keystr("args", path)))
                 elif isinstance(x, torch.Tensor):
+                    refuse_sparse(x, f"shard_map: {_tree.keystr('args', path)}")
                     layouts.append(_layout_for(x, s, self.mesh, _tree.keystr("args", path)))
                 else:
                     if s is not None and (not isinstance(s, P) or s.axes):
@@ -205,6 +219,15 @@ class _ShardMap:
         diff = [i for i, x in enumerate(leaves)
                 if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
         per_rank = in_rank_of(self.mesh)
+        # Nested in a body on this mesh: refused over the body's axes (specs only, the
+        # same on every rank, before any message); over other axes, without gradients.
+        outer = check_nested(self.mesh, self.in_specs, self.out_specs) if per_rank else ()
+        if outer and grad_on and (diff or any(isinstance(x, Sharded) for x in leaves)
+                                  or (self.params_fn is not None and self.params_fn())):
+            refuse_nested_grad(self.mesh, outer)
+        used = set(spec_axes(self.out_specs)) | {a for lay in layouts if lay is not None
+                                                 for a in lay.spec.axes}
+        axes_mapped = tuple(a for a in self.mesh.axis_names if a in used)
         mine = [self.mesh.rank] if per_rank else list(range(self.mesh.size))
         sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
         named = self._check_sharded(args, leaves, sharded, mine)
@@ -256,19 +279,18 @@ class _ShardMap:
                     elif (i, rank) in sdiff_set:
                         t = t.detach().requires_grad_()  # this rank's graph starts here
                         local_s.append(t)
-                    if check:
-                        mark(t, lay)
+                    mark(t, lay)  # ops check their spec= against it (core/provenance.py)
                     loc[i] = t
             args_local = optree.tree_unflatten(treedef, loc)
             local_in = local_g + local_s
             if not grad_on:  # rank threads start with grad mode on
-                with torch.no_grad():
+                with torch.no_grad(), mapped_over(self.mesh, axes_mapped):
                     return self.f(*args_local), local_in, []
             if per_rank or rank == 0:  # the body's nodes are numbered from here
                 # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
                 # thread, whose numbers those of the caller's own nodes are comparable to
                 seq0[rank] = _next_node_number()
-            with collect_anchors() as anchors:
+            with collect_anchors() as anchors, mapped_over(self.mesh, axes_mapped):
                 out = self.f(*args_local)
             return out, local_in, anchors
 
@@ -307,6 +329,8 @@ class _ShardMap:
         state.seq0 = seq0.get(ranks[0])
         global_outs = state.assemble(bool(sharded))
         if grad_on and state.any_out_grad:
+            if outer:  # a parameter the body closes over: found only now, alike on all ranks
+                refuse_nested_grad(self.mesh, outer)
             state.find_params()
             if state.diff or state.sdiff or state.params:
                 state.node_map = []  # (output, rank position; None for a global tensor)

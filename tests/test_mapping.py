@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import spmd
 from spmd import P
-from spmd.testing import assert_matches_single_device
+from spmd.testing import assert_matches_single_device, on_mesh
 
 TOL = dict(rtol=1e-10, atol=1e-10)
 DT = torch.float64
@@ -541,3 +541,71 @@ def test_torch_func_inside_the_body_works():
     g = spmd.shard_map(lambda x: torch.func.grad(lambda t: (t ** 3).sum())(x), mesh, P("sp"),
                        P("sp"))(x)
     torch.testing.assert_close(g, 3 * x ** 2)
+
+
+# -- nesting --------------------------------------------------------------------------------
+# A shard_map body that splits over an axis has shards, not the global tensor: a nested
+# shard_map over the same axis would split them again. Over another axis the values are
+# right (the body's values are replicated over it) and are kept; gradients are not yet
+# (the inner call would sum them over the outer's axes too) and are refused.
+
+def _nested(inner_spec, outer_spec, mesh):
+    inner = spmd.shard_map(lambda v: spmd.psum(v.sum(-1), inner_spec[-1]), mesh,
+                           P(*inner_spec), P())
+    return spmd.shard_map(lambda v: inner(v), mesh, P(*outer_spec), P(*outer_spec))
+
+
+def test_nested_shard_map_over_a_mapped_axis_is_refused():
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.arange(8.0, dtype=DT).reshape(2, 4)
+    outer = _nested((None, "sp"), (None, "sp"), mesh)
+    with pytest.raises(spmd.SpecError, match=r"nested in a shard_map body mapped over axis 'sp' "
+                       r".*in_specs = P\(None, 'sp'\) names 'sp' again"):
+        outer(x)
+
+
+def test_nested_shard_map_over_a_mapped_axis_names_the_axis_on_every_rank():
+    def body(mesh):
+        x = torch.arange(8.0, dtype=DT).reshape(4, 2)
+        inner = spmd.shard_map(lambda v: v * 2, mesh, P("dp"), P("dp"))
+        outer = spmd.shard_map(lambda v: inner(v), mesh, P("dp", "sp"), P("dp", "sp"))
+        try:
+            outer(x)
+        except spmd.SpecError as e:
+            return str(e)
+        return None
+
+    msgs = spmd.launch(body, (2, 2), ("dp", "sp"), timeout=10)
+    assert all(m is not None and "'dp'" in m and "nested" in m for m in msgs), msgs
+    assert len(set(m.split("rank")[0] for m in msgs)) == 1
+
+
+def test_nested_shard_map_over_another_axis_keeps_its_values():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    x = torch.arange(16.0, dtype=DT).reshape(4, 4)
+    outer = _nested((None, "sp"), ("dp",), mesh)
+    with torch.no_grad():
+        torch.testing.assert_close(outer(x), x.sum(1), **TOL)
+
+
+def test_nested_shard_map_over_another_axis_refuses_gradients():
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    x = torch.arange(16.0, dtype=DT).reshape(4, 4).requires_grad_()
+    outer = _nested((None, "sp"), ("dp",), mesh)
+    with pytest.raises(NotImplementedError, match=r"nested shard_map.*gradient.*'dp'"):
+        outer(x)
+
+
+def test_a_sparse_argument_is_a_clear_type_error():
+    mesh = spmd.Mesh((2,), ("sp",))
+    with pytest.raises(TypeError, match=r"shard_map: args\[0\]: x is a sparse tensor "
+                       r"\(torch.sparse_coo\); .* pass x.to_dense\(\)"):
+        spmd.shard_map(lambda x: x, mesh, P("sp"), P("sp"))(torch.ones(4, 2).to_sparse())
+
+
+@on_mesh(2, "sp", backends=("threads", "gloo"))
+def test_nested_over_a_mapped_axis_is_refused_on_every_backend(mesh):
+    inner = spmd.shard_map(lambda v: spmd.psum(v.sum(), "sp"), mesh, P("sp"), P())
+    outer = spmd.shard_map(lambda v: inner(v), mesh, P("sp"), P())
+    with pytest.raises(spmd.SpecError, match=r"nested in a shard_map body mapped over axis 'sp'"):
+        outer(torch.arange(8.0))

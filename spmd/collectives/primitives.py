@@ -27,9 +27,9 @@ import optree
 import torch
 
 from ..comm import comm_of
-from ..core._context import RankContext, current
+from ..core._context import RankContext, current, refuse_sparse
 from ..core._format import describe
-from ..core.errors import CommError, SpecError
+from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
@@ -46,6 +46,7 @@ def _setup(x: object, axis_name: object, what: str) -> tuple[tuple[str, ...], Ra
     axes = rc.mesh.check_axes(axis_name, what)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {describe(x)}")
+    refuse_sparse(x, what)
     return axes, rc
 
 
@@ -64,11 +65,33 @@ def _tree(fn, x, axis_name):
 
 # -- psum ----------------------------------------------------------------------------
 
-@graph_op(like_input)
+def _counts(x: torch.Tensor) -> torch.Tensor:
+    """Bools are summed as counts: int64, as ``torch.sum`` of bools gives (JAX's psum
+    counts too, in int32). The comm layer's bool sum is logical or."""
+    return x.to(torch.int64) if x.dtype == torch.bool else x
+
+
+def _sum_meta(x: object, *args: object, **kwargs: object) -> list | None:
+    return [(x.shape, torch.int64 if x.dtype == torch.bool else x.dtype)] \
+        if isinstance(x, torch.Tensor) else None
+
+
+def _mean_dtype(dtype: torch.dtype) -> torch.dtype:
+    """pmean's result dtype: a float or complex input keeps its dtype; bools and integers
+    give the default float dtype (the mean of counts is a fraction)."""
+    return dtype if dtype.is_floating_point or dtype.is_complex else torch.get_default_dtype()
+
+
+def _mean_meta(x: object, *args: object, **kwargs: object) -> list | None:
+    return [(x.shape, _mean_dtype(x.dtype))] if isinstance(x, torch.Tensor) else None
+
+
+@graph_op(_sum_meta)
 def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Sum of ``x`` over the ranks of ``axis_name``; the same on each of them.
 
-    ``x`` may be a pytree of tensors.
+    ``x`` may be a pytree of tensors. Bools are counted: the result is int64, as
+    ``torch.stack(xs).sum(0)`` (JAX's psum counts too, in int32).
 
     Backward: ``psum`` of the cotangent (every rank's output is its own variable).
 
@@ -79,7 +102,7 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(psum, x, axis_name)
     axes, rc = _setup(x, axis_name, "psum")
-    return _psum(anchor(x), axes, rc, "psum")
+    return _psum(anchor(_counts(x)), axes, rc, "psum")
 
 
 @custom_vjp
@@ -98,23 +121,28 @@ def _psum_bwd(res, g):
 _psum.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)), _psum_bwd)
 
 
-@graph_op(like_input)
+@graph_op(_mean_meta)
 def pmean(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     """Mean of ``x`` over the ranks of ``axis_name`` (``psum / axis_size``).
+
+    Bools and integers give the mean in the default float dtype (for bools: the fraction
+    of ranks holding True), as ``torch.stack(xs).to(float).mean(0)``.
 
     Backward: ``pmean`` of the cotangent (autograd through psum and the division).
     """
     if not isinstance(x, torch.Tensor):
         return _tree(pmean, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmean")
-    return _psum(anchor(x), axes, rc, "pmean") / rc.mesh.axis_size(axes)
+    s = _psum(anchor(_counts(x)), axes, rc, "pmean")
+    return s.to(_mean_dtype(x.dtype)) / rc.mesh.axis_size(axes)
 
 
 # -- pmax / pmin -------------------------------------------------------------------------
 
 @graph_op(like_input)
 def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise maximum over the ranks of ``axis_name``, with a gradient.
+    """Elementwise maximum over the ranks of ``axis_name``, with a gradient; for bools,
+    any (logical or).
 
     Backward: the summed cotangent goes to the rank holding the maximum. Ties share it
     equally, as ``torch.amax`` does, so a sharded ``amax`` has the single-device gradient.
@@ -127,7 +155,8 @@ def pmax(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
 
 @graph_op(like_input)
 def pmin(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
-    """Elementwise minimum over the ranks of ``axis_name``; gradient as ``pmax``."""
+    """Elementwise minimum over the ranks of ``axis_name`` (for bools, all); gradient as
+    ``pmax``."""
     if not isinstance(x, torch.Tensor):
         return _tree(pmin, x, axis_name)
     axes, rc = _setup(x, axis_name, "pmin")
@@ -193,8 +222,16 @@ def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
     group = rc.mesh.group(axes, rc.rank)
     if not tiled:
         sizes = (1,) * group.size  # known: no metadata exchange needed
-    parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
-                                    name="all_gather", sizes=sizes)
+    try:
+        parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
+                                            name="all_gather", sizes=sizes)
+    except CommError as e:
+        if tiled or isinstance(e, (CommTimeout, CommAborted)):
+            raise
+        raise CommError(f"{e}. all_gather(tiled=False) stacks one x of the same shape per "
+                        f"rank: if the shards differ in size along dim {axis}, pass "
+                        f"tiled=True to concatenate them", op=e.op, axes=e.axes,
+                        missing=e.missing) from e
     got = tuple(p.shape[axis] for p in parts)
     return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
 
@@ -216,7 +253,8 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
 
     With ``tiled=False`` dim ``scatter_dimension`` must have one entry per rank and is
     removed; with ``tiled=True`` it is split into blocks of ``sizes`` (default balanced,
-    the ``numpy.array_split`` rule, so uneven sizes are fine).
+    the ``numpy.array_split`` rule, so uneven sizes are fine). Bools are counted
+    (int64), as in ``psum``.
 
     Backward: ``all_gather`` of the cotangent (tiled alike).
 
@@ -245,7 +283,7 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
             raise SpecError(
                 f"psum_scatter: sizes={list(sizes)} must be {n} non-negative sizes adding up "
                 f"to dim {d} of x ({describe(x)})")
-    return _psum_scatter(anchor(x), axes, rc, d, sizes)
+    return _psum_scatter(anchor(_counts(x)), axes, rc, d, sizes)
 
 
 @custom_vjp

@@ -114,6 +114,8 @@ def on_mesh(mesh: Mesh, what: str, x: object = None, *, tensor: bool = True) -> 
     if tensor and not isinstance(x, torch.Tensor):
         from ._format import describe
         raise TypeError(f"{what}: expected a tensor, got {describe(x)}")
+    if isinstance(x, torch.Tensor):
+        refuse_sparse(x, what)
     rc = current(what)
     if rc.mesh is not mesh:
         hint = ("; they are different Mesh objects of the same shape: pass the mesh this "
@@ -121,6 +123,14 @@ def on_mesh(mesh: Mesh, what: str, x: object = None, *, tensor: bool = True) -> 
                 "passes to fn)") if repr(mesh) == repr(rc.mesh) else ""
         raise SpecError(f"{what}: called with {mesh!r} but this code runs on {rc.mesh!r}{hint}")
     return rc
+
+
+def refuse_sparse(x: torch.Tensor, what: str) -> None:
+    """A sparse (or otherwise non-strided) tensor fails deep inside aten in slicing and
+    communication; say so at the door."""
+    if x.layout != torch.strided:
+        raise TypeError(f"{what}: x is a sparse tensor ({x.layout}); collectives and spmd ops "
+                        f"take dense tensors: pass x.to_dense()")
 
 
 def current_rank(mesh: Mesh) -> int:

@@ -28,7 +28,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
 from ..core.mesh import Mesh
-from ..core.provenance import marked
+from ..core.provenance import check_spec
 from ..core.spec import P, as_spec
 from ..transforms.halo import (
     Fetch,
@@ -82,21 +82,10 @@ def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[Ran
 
 def _agrees(x: torch.Tensor, lay: Layout, what: str) -> Layout:
     """``lay``, checked against the layout shard_map split ``x`` by, where it marked it
-    (under SPMD_VALIDATE=1; ``core/provenance.py``). Every rank holds the same mark and
-    spec, so every rank raises alike."""
-    real = marked(x)
-    if real is not None and real != lay:
-        raise SpecError(
-            f"{what}: spec={lay.spec!r} describes x as a shard of {describe_layout(lay)}, but "
-            f"x is a shard_map argument split as {describe_layout(real)}; pass "
-            f"the split it has (spec={real.spec!r}, or its Layout, which holds the sizes)")
+    (``core/provenance.py``). Every rank holds the same mark and spec, so every rank
+    raises alike."""
+    check_spec(x, lay, None, what)
     return lay
-
-
-def describe_layout(lay: Layout) -> str:
-    cut = [f"dim {d} over {lay.dim_axes(d)} (sizes {list(lay.sizes[d])})"
-           for d in range(lay.ndim) if lay.sizes[d] is not None]
-    return f"{list(lay.shape)} cut along " + (", ".join(cut) if cut else "no dim (replicated)")
 
 
 @lru_cache(maxsize=256)

@@ -30,6 +30,7 @@ from ..core._context import RankContext, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
+from ..core.provenance import check_spec
 from ..core.spec import as_spec, entry_axes
 from ..transforms.reduction import _dims
 
@@ -186,6 +187,7 @@ def _prepare(x: Any, dim: Any, mesh: Mesh, spec: Any, dtype: torch.dtype | None,
                         f"has {x.ndim} dims")
     for a in spec.axes:
         mesh.check_axes(a, f"{what}: spec")
+    check_spec(x, spec, mesh, what)
     # A 0-d x is never split: its one "dim" makes torch run locally.
     dims = _dims(dim, x.ndim, describe(x), what, many=many, every=False) or (0,)
     if dtype is not None:

@@ -36,6 +36,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.provenance import check_spec
 from ..core.spec import P, as_spec, entry_axes
 from ..transforms.reduction import _dims
 from ._window import input_layout, refuse_split
@@ -59,12 +60,13 @@ def _spec_axes(x: torch.Tensor, mesh: Mesh, spec: Any, dims: Sequence[int], what
                axes: Any) -> tuple[P, tuple[str, ...]]:
     """``spec`` checked against ``x``, and the mesh axes whose ranks' statistics merge:
     those that split a reduced dim (``axes`` narrows them: per-replica statistics)."""
-    spec = _pspec(spec, what)
+    given, spec = spec, _pspec(spec, what)
     if len(spec) > x.ndim:
         raise SpecError(f"{what}: spec {spec!r} has {len(spec)} entries but x ({describe(x)}) "
                         f"has {x.ndim} dims")
     for a in spec.axes:
         mesh.check_axes(a, f"{what}: spec")
+    check_spec(x, given if isinstance(given, Layout) else spec, mesh, what)
     used = {a for d in dims for a in entry_axes(spec.entry(d))}
     if axes is not None:
         keep = set(mesh.check_axes(axes, f"{what}: axes"))
@@ -291,6 +293,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     if num_groups <= 0 or c % num_groups:
         raise RuntimeError(f"{what}: expected the number of channels ({c}) to be divisible "
                            f"by num_groups ({num_groups})")
+    check_spec(x, spec if isinstance(spec, Layout) else _pspec(spec, what), mesh, what)
     spec = _pspec(spec, what)
     xg = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])
     gspec = P(spec.entry(0), None, None, *(spec.entry(d) for d in range(2, x.ndim)))
@@ -431,6 +434,7 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     if x.ndim < 3:
         raise SpecError(f"{what}: expected (N, C, *spatial), got {describe(x)}")
     _channel_split(spec, what)
+    check_spec(x, spec if isinstance(spec, Layout) else _pspec(spec, what), mesh, what)
     spec = _pspec(spec, what)
     if spec.entry(0) is not None and (running_mean is not None or not use_input_stats):
         raise SpecError(f"{what}: running statistics average over the batch, which {spec!r} "

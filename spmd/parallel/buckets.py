@@ -90,11 +90,13 @@ class Bucket:
     Layout: the gradients back to back, then one element per parameter: the *used*
     flags, 1 where this rank produced a gradient for it since the last sync. They ride
     in the same all-reduce, so every rank learns which parameters no rank used (their
-    ``.grad`` is left alone, as on one device) at the cost of a few elements.
+    ``.grad`` is left alone, as on one device) at the cost of a few elements. Then one
+    *alarm* element: 1 where this rank's synchronised parameters changed since the
+    GradSync was built (``param_set.py``); summed, how many ranks of the group changed.
     """
 
-    __slots__ = ("index", "params", "names", "numel", "buffer", "grads", "flags", "views",
-                 "viewable", "offsets", "ready", "pending", "work", "axes")
+    __slots__ = ("index", "params", "names", "numel", "buffer", "grads", "flags", "alarm",
+                 "views", "viewable", "offsets", "ready", "pending", "work", "axes")
 
     def __init__(self, index: list[int], params: Sequence[torch.Tensor],
                  names: Sequence[str], grad_as_view: bool, axes: tuple[str, ...] = ()):
@@ -105,9 +107,11 @@ class Bucket:
         sizes = [p.numel() for p in self.params]
         self.numel = sum(sizes)
         p0 = self.params[0]
-        self.buffer = torch.zeros(self.numel + len(index), dtype=p0.dtype, device=p0.device)
+        self.buffer = torch.zeros(self.numel + len(index) + 1, dtype=p0.dtype,
+                                  device=p0.device)
         self.grads = self.buffer[:self.numel]
-        self.flags = self.buffer[self.numel:]
+        self.flags = self.buffer[self.numel:-1]
+        self.alarm = self.buffer[-1:]
         self.offsets = []
         off = 0
         for n in sizes:

@@ -29,12 +29,13 @@ from ..core._context import in_rank_of
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, check_mesh
+from .arguments import check_axes, check_varying
 from .buckets import Bucket, BucketInfo, MiB, assign
-from .startup import broadcast_from_first, check_same_names, check_same_tensors, verify_equal
+from .param_set import ParamSet
+from .startup import start_up
 
 __all__ = ["GradSync"]
 
-OPS = ("sum", "mean")
 INITS = ("broadcast", "verify", None)
 DEFAULT_CAP_MB = 25.0  # as DDP
 DEFAULT_FIRST_CAP_MB = 1.0  # as DDP, when bucket_cap_mb is not given
@@ -115,6 +116,12 @@ class GradSync:
         - Double backward (``create_graph=True``), reentrant backward passes that
           accumulate parameter gradients (``torch.utils.checkpoint`` with
           ``use_reentrant=True``) and sparse gradients are refused with an error.
+        - The synchronised parameters (count, names, shapes, dtypes, order) are fixed
+          when it is built: a parameter added, replaced, reshaped or switched to or from
+          ``requires_grad`` afterwards raises a ``SpecError`` at the end of the next
+          synchronised backward, naming it, on every rank of the group (whether any
+          rank changed rides in the buckets' all-reduce); that backward's gradients
+          are dropped. Build a new GradSync after changing the model.
         - Build it after moving the model to its device and dtype, at the same point of
           the program on every rank of the mesh. A new GradSync over the same
           parameters on the same rank replaces the old one (closes it).
@@ -152,7 +159,7 @@ class GradSync:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{what}: module must be a torch.nn.Module, got {describe(module)}")
         check_mesh(mesh, what)
-        self.axes: dict[str, str] = _check_axes(axes, mesh, what)
+        self.axes: dict[str, str] = check_axes(axes, mesh, what)
         for arg, v in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
                                   or not v > 0):
@@ -170,7 +177,7 @@ class GradSync:
         if ignore - known:
             raise SpecError(f"{what}: ignore names {sorted(ignore - known)}, which are not "
                             f"parameters or buffers of the module")
-        self._varying = _check_varying(varying, known, ignore, mesh, what)
+        self._varying = check_varying(varying, known, ignore, mesh, what)
         self.mesh, self.name = mesh, name
         self._cap = int(bucket_cap_mb * MiB)
         self._first_cap = int(first_bucket_cap_mb * MiB)
@@ -182,6 +189,10 @@ class GradSync:
         self._names = [n for n, _, _ in named]
         self._params = [p for _, p, _ in named]
         self._axes_of = [ax for _, _, ax in named]
+        # What each synchronised backward checks the module against: the same selection.
+        self._set = ParamSet(module, lambda n, p: p.requires_grad and n not in ignore and any(
+            a not in self._varying.get(n, ()) for a in self.axes))
+        self._change: str | None = None  # this iteration's, found when its first bucket starts
         self._buckets: list[Bucket] = []
         self._hooks: list = []
         self._closed = False
@@ -201,7 +212,7 @@ class GradSync:
         try:
             state = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
                      if n not in ignore]
-            _start_up(mesh, self.rank, state, self._varying, init, what)
+            start_up(mesh, self.rank, state, self._varying, init, what)
             comm = comm_of(mesh)
             self._plan_group = mesh.group(mesh.axis_names, self.rank, channel=name)
             for g in [self._plan_group, *self._groups.values()]:
@@ -302,8 +313,9 @@ class GradSync:
                     f"backward whose reduced gradients were not taken yet; call "
                     f"sync.wait() (or step the attached optimizer) first")
             self._used[i] = True
-            if b.viewable[j] and p.grad is not b.views[j]:
-                # Accumulate the micro-batches in the bucket: no copy at the sync.
+            # Accumulate the micro-batches in the bucket: no copy at the sync. (Another
+            # shape: the parameter changed; the next synchronised backward says so.)
+            if b.viewable[j] and p.grad is not b.views[j] and p.grad.shape == b.views[j].shape:
                 with torch.no_grad():
                     b.views[j].copy_(p.grad)
                 p.grad = b.views[j]
@@ -319,6 +331,8 @@ class GradSync:
             # Once per backward pass: its end starts what is left and waits for it all.
             _at_backward_end(_finisher(self))
             self._queued = True
+            if not self._dirty:  # once per synchronised backward, before any bucket fills
+                self._change = self._set.change()
         self._used[i] = True
         self._dirty = True
         self._fill(b, j, p)
@@ -333,7 +347,7 @@ class GradSync:
         """Put this rank's contribution for ``b.params[j]`` into the bucket, scaled."""
         view, g, s = b.views[j], p.grad, self._scale[b.axes]
         with torch.no_grad():
-            if g is None:
+            if g is None or self._change:  # changed: nothing is reduced, the end raises
                 view.zero_()
             elif g is view:
                 if s is not None:
@@ -349,6 +363,7 @@ class GradSync:
     def _launch(self, b: Bucket) -> None:
         """Start bucket ``b`` (the next in plan order); fill what is not ready yet."""
         with torch.no_grad():
+            b.alarm.fill_(1 if self._change else 0)
             if b.pending:
                 for j, p in enumerate(b.params):
                     if not b.ready[j]:
@@ -374,6 +389,10 @@ class GradSync:
         with torch.no_grad(), in_backward():
             for b in self._buckets:
                 b.work.wait()
+            changed = int(torch.cat([b.alarm for b in self._buckets]).max().item())
+            if changed:
+                self._refuse_changed(changed)
+            for b in self._buckets:
                 local = [self._used[i] for i in b.index]
                 used = local if all(local) else [f > 0 for f in b.flags.tolist()]
                 for j, p in enumerate(b.params):
@@ -394,6 +413,27 @@ class GradSync:
             self._used = [False] * len(self._params)
             if self._order is not None:
                 self._rebuild()
+
+    def _refuse_changed(self, changed: int) -> None:
+        """A rank of a bucket's group changed its synchronised parameters: drop this
+        backward's gradients (nothing was reduced) and raise, on every rank of the group."""
+        for b in self._buckets:
+            b.reset()
+        self._dirty, self._reduced, self._next, self._early = False, False, 0, 0
+        self._used = [False] * len(self._params)
+        axes = ", ".join(repr(a) for a in self.axes)
+        fix = ("the synchronised parameters (their count, names, shapes, dtypes and order) "
+               "are fixed when GradSync is built, and a change would leave gradients "
+               "unreduced or misplaced; build a new GradSync after changing the model "
+               "(close() the old one), or set requires_grad before building it")
+        if self._change:
+            raise SpecError(f"{self._what}: {self._change} after GradSync was built (rank "
+                            f"{self.rank}); {fix}")
+        raise SpecError(
+            f"{self._what}: the synchronised parameters changed after GradSync was built on "
+            f"{changed} other rank{'s' * (changed > 1)} of axis{'es' * (len(self.axes) > 1)} "
+            f"{axes} (this is rank {self.rank}); {'their errors name' if changed > 1 else 'its error names'} "
+            f"the parameter. {fix[0].upper()}{fix[1:]}")
 
     def _at_end(self) -> None:
         """The end-of-backward callback."""
@@ -541,73 +581,3 @@ def _mean_scale(mesh: Mesh, ops: Mapping[str, str], axes: tuple[str, ...]) -> fl
     """The factor that turns a sum over ``axes`` into the requested per-axis means."""
     mean = math.prod(mesh.axis_size(a) for a in axes if ops[a] == "mean")
     return 1.0 / mean if mean > 1 else None
-
-
-def _start_up(mesh: Mesh, rank: int, state: list[tuple[str, torch.Tensor]],
-              varying: Mapping[str, frozenset[str]], init: str | None, what: str) -> None:
-    """Every replica of every tensor equal (or checked), over every mesh axis it does not
-    vary over: first the names over the whole mesh (so every rank takes the same steps
-    below), then per set of replica axes, in mesh axis order."""
-    whole = mesh.group(mesh.axis_names, rank)
-    if whole.size == 1:
-        return
-    check_same_names(mesh, whole, [(n, sorted(varying.get(n, ()))) for n, _ in state], what)
-    by_axes: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
-    for n, t in state:
-        axes = tuple(a for a in mesh.axis_names if a not in varying.get(n, ()))
-        by_axes.setdefault(axes, []).append((n, t))
-    for axes in sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax]):
-        group = mesh.group(axes, rank) if axes else None
-        if group is None or group.size == 1:
-            continue
-        named = by_axes[axes]
-        check_same_tensors(mesh, group, named, what)
-        if init == "broadcast":
-            broadcast_from_first(mesh, group, [t for _, t in named], what)
-        elif init == "verify":
-            verify_equal(mesh, group, named, what)
-
-
-def _check_varying(varying: object, known: set[str], ignore: set[str], mesh: Mesh,
-                   what: str) -> dict[str, frozenset[str]]:
-    if varying is None:
-        return {}
-    if not isinstance(varying, Mapping):
-        raise TypeError(f"{what}: varying must be a {{name: axis or axes}} dict, got "
-                        f"{describe(varying)}")
-    out = {}
-    for n, axes in varying.items():
-        if n not in known:
-            raise SpecError(f"{what}: varying names {n!r}, which is not a parameter or "
-                            f"buffer of the module")
-        if n in ignore:
-            raise SpecError(f"{what}: {n!r} is both ignored and varying; ignore leaves it "
-                            f"alone entirely, varying only over the axes it names: pick one")
-        out[n] = frozenset(mesh.check_axes(axes, f"{what}: varying[{n!r}]"))
-    return out
-
-
-def _check_axes(axes: object, mesh: Mesh, what: str) -> dict[str, str]:
-    given = axes
-    if isinstance(axes, str):
-        axes = [(axes, "mean")]
-    elif isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes):
-        axes = [(a, "mean") for a in axes]
-    elif isinstance(axes, Mapping):
-        axes = list(axes.items())
-    else:
-        axes = []
-    if not axes:
-        raise SpecError(f"{what}: axes must be a non-empty {{axis: 'sum' | 'mean'}} dict (or "
-                        f"axis names, meaning 'mean'), got {given!r}")
-    for a, op in axes:
-        if not isinstance(a, str):
-            raise SpecError(f"{what}: axes must map mesh axis names to ops, got key {a!r}")
-        mesh.check_axes(a, what)
-        if op not in OPS:
-            raise SpecError(f"{what}: the op for axis {a!r} must be 'sum' or 'mean', got "
-                            f"{op!r}")
-    names = [a for a, _ in axes]
-    if len(set(names)) != len(names):
-        raise SpecError(f"{what}: axes {names} repeat an axis")
-    return dict(axes)

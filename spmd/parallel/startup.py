@@ -15,7 +15,7 @@ Three steps, each a fixed number of collectives (none per tensor):
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -24,7 +24,8 @@ from ..core._format import shape_str
 from ..core.errors import SpecError
 from ..core.mesh import Group, Mesh
 
-__all__ = ["check_same_names", "check_same_tensors", "broadcast_from_first", "verify_equal"]
+__all__ = ["check_same_names", "check_same_tensors", "broadcast_from_first", "verify_equal",
+           "start_up"]
 
 _MAXDIM = 8
 
@@ -153,3 +154,28 @@ def verify_equal(mesh: Mesh, group: Group, named: Sequence[tuple[str, torch.Tens
                     f"parameters must be replicated over every mesh axis they do not vary "
                     f"over: build them from the same seed, use init='broadcast', or declare "
                     f"one that differs over an axis with varying={{{name!r}: axis}}")
+
+
+def start_up(mesh: Mesh, rank: int, state: list[tuple[str, torch.Tensor]],
+              varying: Mapping[str, frozenset[str]], init: str | None, what: str) -> None:
+    """Every replica of every tensor equal (or checked), over every mesh axis it does not
+    vary over: first the names over the whole mesh (so every rank takes the same steps
+    below), then per set of replica axes, in mesh axis order."""
+    whole = mesh.group(mesh.axis_names, rank)
+    if whole.size == 1:
+        return
+    check_same_names(mesh, whole, [(n, sorted(varying.get(n, ()))) for n, _ in state], what)
+    by_axes: dict[tuple[str, ...], list[tuple[str, torch.Tensor]]] = {}
+    for n, t in state:
+        axes = tuple(a for a in mesh.axis_names if a not in varying.get(n, ()))
+        by_axes.setdefault(axes, []).append((n, t))
+    for axes in sorted(by_axes, key=lambda ax: [mesh.axis_names.index(a) for a in ax]):
+        group = mesh.group(axes, rank) if axes else None
+        if group is None or group.size == 1:
+            continue
+        named = by_axes[axes]
+        check_same_tensors(mesh, group, named, what)
+        if init == "broadcast":
+            broadcast_from_first(mesh, group, [t for _, t in named], what)
+        elif init == "verify":
+            verify_equal(mesh, group, named, what)

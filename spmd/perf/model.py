@@ -320,8 +320,10 @@ def _grad_sync(est: Estimate, ranks: int, network: Network, how: str,
         return t, total, "gradient all-reduce after backward, not hidden (shard_map)"
     metas = [torch.empty(shape, dtype=dt, device="meta") for shape, dt in est._params]
     plan = assign(list(reversed(range(len(metas)))), metas, 25 * MiB, 1 * MiB)
+    # each bucket: its gradients, a used flag per parameter and one alarm element
     ts = [collective_time(network, "all_reduce", ranks, payload=sum(
-        (metas[i].numel() + 1) * metas[i].element_size() for i in b)) for b in plan]
+        (metas[i].numel() + 1) * metas[i].element_size() for i in b)
+        + metas[b[0]].element_size()) for b in plan]
     # Every bucket but the last starts while backward still runs: hidden up to its length.
     exposed = ts[-1] + max(sum(ts[:-1]) - backward_s, 0.0)
     return exposed, total, (f"GradSync: {len(plan)} bucket(s) overlapped with backward, "

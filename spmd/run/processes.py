@@ -26,9 +26,10 @@ from typing import Any
 
 from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, tag_rank
 
-__all__ = ["ProcessPool", "launch_processes"]
+__all__ = ["ProcessPool", "launch_processes", "exit_error"]
 
 _GRACE = 2.0  # seconds other ranks get to report after the first error
+_POLL = 0.25  # seconds between looks for stopped workers while a run waits
 _SLACK = 5.0  # seconds on top of ``timeout`` for a whole run
 
 
@@ -221,13 +222,22 @@ class ProcessPool:
         errors: list[tuple[int, tuple]] = []
         conn_rank = {c: r for r, c in enumerate(self._conns)}
         sent_rank = {p.sentinel: r for r, p in enumerate(self._procs)}
+        stopped: dict[int, float] = {}  # rank -> when it was first seen stopped
         while len(done) < n:
             now = time.monotonic()
             if errors:
                 deadline = min(deadline, errors[0][2] + _GRACE)
+            if timeout is not None and self._stopped_too_long(done, stopped, now, timeout):
+                r = next(r for r, t in stopped.items() if now - t >= timeout)
+                done.add(r)
+                errors.append((r, ("died", tid, None, f"process stopped (state T: SIGSTOP, job "
+                                   f"control or a debugger) for {timeout:g} s; the other ranks' "
+                                   f"collectives cannot complete without it", ""), now))
+                deadline = now  # the cause: the others' timeouts are its symptoms
             if now >= deadline:
                 break
-            ready = _mp_wait(list(conn_rank) + list(sent_rank), timeout=deadline - now)
+            wait_s = deadline - now if timeout is None else min(deadline - now, _POLL)
+            ready = _mp_wait(list(conn_rank) + list(sent_rank), timeout=wait_s)
             for obj in ready:
                 if obj in conn_rank:
                     r = conn_rank[obj]
@@ -285,6 +295,29 @@ class ProcessPool:
         return results, []
 
 
+    def _stopped_too_long(self, done: set[int], stopped: dict[int, float], now: float,
+                          timeout: float) -> bool:
+        """Update ``stopped`` (ranks whose process is stopped, since when); whether one
+        has been stopped for ``timeout``: its peers' collectives then time out, each
+        naming it, a second or more later (their post-mortem), so the pool names it first."""
+        for r, p in enumerate(self._procs):
+            if r in done or not _is_stopped(p.pid):
+                stopped.pop(r, None)
+            else:
+                stopped.setdefault(r, now)
+        return any(now - t >= timeout for t in stopped.values())
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped by a signal (Linux's /proc; elsewhere: False)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:][:1] == "T"
+
+
 def _check_main_guard() -> None:
     """Refuse to start processes from a script's top level outside
     ``if __name__ == "__main__":``: "spawn" runs the script again in every child, which
@@ -318,7 +351,11 @@ def _check_main_guard() -> None:
 
 
 def _is_main_test(test: object) -> bool:
+    """``__name__ == "__main__"``, alone or as a conjunct of ``and`` (at any depth): the
+    block then never runs in a spawned child, whose ``__name__`` is ``"__mp_main__"``."""
     import ast
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+        return any(_is_main_test(v) for v in test.values)
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and
             isinstance(test.ops[0], ast.Eq)):
         return False
@@ -328,13 +365,25 @@ def _is_main_test(test: object) -> bool:
     return names == ["__name__"] and consts == ["__main__"]
 
 
+def exit_error(exc: SystemExit) -> RuntimeError:
+    """What a rank's ``sys.exit`` becomes for the caller: an error (re-raised as it is, a
+    ``SystemExit`` would end the caller's program, with code 0 for ``sys.exit(0)``, and
+    lose every rank's result without a word)."""
+    return RuntimeError(f"fn called sys.exit({exc.code!r}) (SystemExit); the run has no result "
+                        f"from that rank: return from fn instead (or raise an exception)")
+
+
 def _raise_first(errors: list[tuple[int, tuple]]):
     excs = [_load(msg[2]) for _, msg in errors]
     # A rank whose collective broke because a peer failed or died (CommAborted) shows a
-    # symptom that may arrive before the cause: report the first cause, as threads do.
-    i = min(range(len(errors)), key=lambda i: isinstance(excs[i], CommAborted))
+    # symptom that may arrive before the cause: report the first cause, as threads do. A
+    # process that died or stopped is the cause of its peers' timeouts.
+    i = min(range(len(errors)), key=lambda i: (errors[i][1][0] != "died",
+                                               isinstance(excs[i], CommAborted)))
     (rank, msg), exc = errors[i], excs[i]
     _, _, _, text, tb = msg
+    if isinstance(exc, SystemExit):  # raised as it is, it would end the caller's program
+        exc = exit_error(exc)
     if exc is None:
         detail = f"{text}" + (f"\n\ntraceback on rank {rank}:\n{tb}" if tb else "")
         raise RuntimeError(f"rank {rank}: {detail}")
@@ -354,6 +403,10 @@ def _end(procs: list) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            try:  # a stopped process acts on SIGTERM only once continued
+                os.kill(p.pid, signal.SIGCONT)
+            except OSError:
+                pass
     deadline = time.monotonic() + 2.0
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

@@ -23,6 +23,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, coords_of
+from ..core.provenance import check_spec
 from ..core.spec import as_spec
 from .sharded import Sharded, assemble, check_source
 
@@ -81,6 +82,7 @@ def redistribute(x: torch.Tensor | Sharded, mesh: Mesh, src_spec: Any = None,
                             f"({describe(x)}) has dims")
         for a in spec.axes:
             mesh.check_axes(a, f"redistribute {name}")
+    check_spec(x, src_spec, mesh, "redistribute: src_spec")
     src = _src_layout(x, mesh, rc, src_spec, src_sizes)
     src.size_check(x.shape, rc.rank, "x")
     dst = Layout(src.shape, dst_spec, mesh, dst_sizes)

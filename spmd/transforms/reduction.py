@@ -23,6 +23,7 @@ from ..core._format import describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.provenance import check_spec
 from ..core.spec import as_spec, entry_axes
 
 __all__ = ["reduce"]
@@ -116,6 +117,10 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
         raise SpecError(f"reduce: op={op!r} needs a real x, got {describe(x)} (complex numbers "
                         f"have no order)")
     split = {d: entry_axes(spec.entry(d)) for d in range(x.ndim) if entry_axes(spec.entry(d))}
+    # Before _sizes: a rank's own-shape check there could pass on one rank only.
+    check_spec(x, spec, mesh, "reduce", sizes=_given_sizes(sizes, x.ndim))
+    if isinstance(sizes, Layout):
+        check_spec(x, sizes, mesh, "reduce", name="x (its sizes Layout)")
     gsizes = _sizes(sizes, x, spec, split, rc, mesh)
     red_split = [d for d in dims if d in split]
     used = {a for d in red_split for a in split[d]}
@@ -186,6 +191,18 @@ def _dims(dim, ndim: int, xs: str, what: str = "reduce", *, many: bool = True,
     if len(set(norm)) != len(norm):
         raise SpecError(f"{what}: dim={dim!r} repeats a dim (dims {list(norm)} of x, {xs})")
     return tuple(sorted(norm))
+
+
+def _given_sizes(sizes: Any, ndim: int) -> dict[int, tuple] | None:
+    """``sizes`` as ``{dim: sizes}`` where it is a well-formed mapping (else None: ``_sizes``
+    explains what is wrong with it)."""
+    if not isinstance(sizes, Mapping):
+        return None
+    try:
+        return {d % ndim: tuple(int(v) for v in s) for d, s in sizes.items()
+                if isinstance(d, int) and -ndim <= d < ndim}
+    except (TypeError, ValueError):
+        return None
 
 
 def _sizes(sizes, x: torch.Tensor, spec, split: dict, rc: RankContext,

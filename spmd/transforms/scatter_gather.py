@@ -36,6 +36,8 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.placeholder import Placeholder
+from ..core.provenance import check_spec
+from ..core.spec import P
 from .sharded import Sharded, assemble, check_source
 
 __all__ = ["scatter", "gather", "backward"]
@@ -265,6 +267,8 @@ def gather(x: torch.Tensor | Sharded, mesh: Mesh, spec: Any = None, *, dst: int 
     if x.ndim > MAX_NDIM or x.dtype not in DTYPES:
         raise SpecError(f"gather: x ({describe(x)}) has more than {MAX_NDIM} dims or an "
                         f"unsupported dtype")
+    if isinstance(spec, P) and len(spec) <= x.ndim:  # (else _gather_layout says what is wrong)
+        check_spec(x, spec, mesh, "gather")
     group = mesh.group(mesh.axis_names, rc.rank)
     meta = torch.zeros(3 + MAX_NDIM, dtype=torch.int64)
     meta[0] = DTYPES.index(x.dtype)

@@ -367,3 +367,22 @@ def test_each_op_forward_and_backward_takes_the_chain_token_of_the_one_before():
     # and each forward call carries the fingerprint of the code that will run its
     # backward, so that torch's on-disk caches never pair it with an older formula
     assert [args[3] for _, _, args in _op_nodes(graphs[0])] == [compiled_mod._BUILD] * 3
+
+
+def test_bool_and_integer_reductions_keep_their_dtypes_under_compile():
+    """psum counts bools (int64) and pmean of bools and integers is a float: the graph
+    node's meta says so, so the compiled body matches the eager one exactly."""
+    mesh = Mesh((2,), ("sp",))
+
+    def body(x):
+        b = x > 0
+        return (spmd.psum(b, "sp") * 10 + spmd.pmean(b, "sp") + spmd.pmean(x.long(), "sp"),
+                spmd.pmax(b, "sp"))
+
+    x = torch.tensor([1.0, -1.0, 2.0, 0.0], dtype=F64)
+    run = lambda f: spmd.shard_map(f, mesh, in_specs=P("sp"), out_specs=P("sp"))(x)  # noqa: E731
+    want = run(body)
+    got = run(torch.compile(body, fullgraph=True, dynamic=False))
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w), (got, want)
+    assert want[0].dtype == torch.get_default_dtype() and want[1].dtype == torch.bool

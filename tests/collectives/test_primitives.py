@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import spmd
+from spmd.testing import on_mesh
 
 F64 = torch.float64
 TIMEOUT = 30  # generous for the value tests on a loaded 2-core machine; errors use 5 or less
@@ -167,6 +168,60 @@ def test_pmax_all_tied_splits_gradient_equally():
     for g in spmd.launch(body, (4,), "i", timeout=TIMEOUT):
         # sum over 4 ranks of cotangent 1, shared by 4 tied ranks
         assert torch.equal(g, torch.ones(2, dtype=F64))
+
+
+# -- bool and integer inputs --------------------------------------------------------------------
+# psum counts (int64, as torch's sum of bools), pmean is the fraction (the default float
+# dtype), pmax / pmin are any / all (bool): the single-device results of
+# torch.stack(xs).sum(0), .to(float).mean(0), .any(0), .all(0). Exact: integer counts.
+
+def _bool_ref(op, xs):
+    s = torch.stack(xs)
+    return {"psum": lambda: s.sum(0),
+            "pmean": lambda: s.to(torch.get_default_dtype()).mean(0),
+            "pmax": lambda: s.any(0), "pmin": lambda: s.all(0),
+            "psum_scatter": lambda: s.sum(0)}[op]()
+
+
+@given(case=cases, shape=small_shapes, seed=seeds,
+       op=st.sampled_from(["psum", "pmean", "pmax", "pmin"]))
+def test_bool_reductions_count(case, shape, seed, op):
+    shape_m, names, axes = case
+    groups = groups_of(shape_m, names, axes)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.rand(shape, generator=gen) < 0.5 for _ in range(math.prod(shape_m))]
+    out = spmd.launch(lambda mesh: getattr(spmd, op)(xs[mesh.rank], axes), shape_m, names,
+                      timeout=TIMEOUT)
+    for g in groups:
+        want = _bool_ref(op, [xs[r] for r in g])
+        for r in g:
+            assert out[r].dtype == want.dtype and torch.equal(out[r], want), (op, r, out[r])
+
+
+def test_bool_psum_scatter_counts():
+    xs = [torch.tensor([[True, False, True], [r == 0, True, False]]).T for r in range(2)]
+    out = spmd.launch(lambda m: spmd.psum_scatter(xs[m.rank], "i", tiled=True), (2,), "i",
+                      timeout=TIMEOUT)
+    want = _bool_ref("psum_scatter", xs)
+    assert torch.equal(torch.cat(out), want) and out[0].dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_integer_pmean_is_the_float_mean(dtype):
+    xs = [torch.tensor([r, 1, 2 * r], dtype=dtype) for r in range(3)]
+    out = spmd.launch(lambda m: spmd.pmean(xs[m.rank], "i"), (3,), "i", timeout=TIMEOUT)
+    want = torch.stack(xs).to(torch.get_default_dtype()).mean(0)
+    for y in out:
+        assert y.dtype == want.dtype and torch.allclose(y, want)
+
+
+@on_mesh(2, "i", backends=("threads", "gloo"))
+def test_bool_reductions_on_every_backend(mesh):
+    x = torch.tensor([mesh.rank == 0, True, False])
+    assert torch.equal(spmd.psum(x, "i"), torch.tensor([1, 2, 0]))
+    assert torch.equal(spmd.pmean(x, "i"), torch.tensor([0.5, 1.0, 0.0]))
+    assert torch.equal(spmd.pmax(x, "i"), torch.tensor([True, True, False]))
+    assert torch.equal(spmd.pmin(x, "i"), torch.tensor([False, True, False]))
 
 
 # -- all_gather -------------------------------------------------------------------------------
@@ -818,3 +873,34 @@ def test_rank_threads_share_the_intra_op_threads(ranks, share):
         assert torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+# -- errors that say what to do ------------------------------------------------------------------
+
+def test_untiled_all_gather_of_uneven_shards_suggests_tiled():
+    with pytest.raises(spmd.CommError, match=r"all_gather\(tiled=False\) stacks one x of the same "
+                       r"shape per rank: if the shards differ in size along dim 0, pass "
+                       r"tiled=True"):
+        _launch(lambda m: spmd.all_gather(torch.ones(m.rank + 1), "i"), shape=(2,))
+
+
+SPARSE_OPS = {
+    "psum": lambda x: spmd.psum(x, "i"),
+    "pmean": lambda x: spmd.pmean(x, "i"),
+    "pmax": lambda x: spmd.pmax(x, "i"),
+    "all_gather": lambda x: spmd.all_gather(x, "i", tiled=True),
+    "psum_scatter": lambda x: spmd.psum_scatter(x, "i", tiled=True),
+    "ppermute": lambda x: spmd.ppermute(x, "i", [(0, 1)]),
+    "all_to_all": lambda x: spmd.all_to_all(x, "i", 0, 0, tiled=True),
+    "broadcast": lambda x: spmd.broadcast(x, "i"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SPARSE_OPS))
+@pytest.mark.parametrize("to", ["to_sparse", "to_sparse_csr"])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # torch's own
+def test_a_sparse_tensor_is_a_clear_type_error(op, to):
+    x = getattr(torch.ones(2, 2, dtype=F64), to)()
+    with pytest.raises(TypeError, match=rf"{op}: x is a sparse tensor \(torch.sparse_(coo|csr)\); "
+                       r"collectives and spmd ops take dense tensors: pass x.to_dense\(\)"):
+        _launch(lambda m: SPARSE_OPS[op](x), shape=(2,))

@@ -450,3 +450,31 @@ def startup_2d(mesh, init, by):
     except spmd.SpecError as e:
         return str(e)
     return [p.detach().clone() for p in model.parameters()]
+
+
+def change_after_wrapping(mesh, change, on_ranks):
+    """One clean step, then ``change`` applied to the model on ``on_ranks``; the next
+    backward's error (or None) and whether the second step left per-rank gradients."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    sync = spmd.parallel.GradSync(model, mesh, "dp")
+    x = torch.full((1, 3), float(mesh.rank + 1))
+    model(x).sum().backward()
+    sync.wait()
+    model.zero_grad()
+    if mesh.rank in on_ranks:
+        if change == "added":
+            model.extra = nn.Parameter(torch.ones(2))
+        elif change == "off":
+            model.bias.requires_grad_(False)
+        elif change == "reshaped":
+            model.bias.data = torch.zeros(1)  # broadcasts in F.linear
+    out = model(x)
+    if change == "added" and mesh.rank in on_ranks:
+        out = out * model.extra
+    try:
+        out[..., :2].sum().backward()
+        sync.wait()
+    except spmd.SpecError as e:
+        return str(e)
+    return None

@@ -10,6 +10,7 @@ Models are built on the main thread (torch's RNG is process-global) and copied p
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from _parallel_cases import (
     Field,
     Heads,
     Partly,
+    change_after_wrapping,
     check_heads,
     check_train,
     check_unused,
@@ -327,7 +329,8 @@ def _comm_counts(mesh, model):
                                   bucket_cap_mb=4e-4, learn_order=False)
     x = torch.ones(2, 5, 6, dtype=torch.float64)
     model(x).sum().backward()
-    return len(sync.buckets), [b.numel + len(b.names) for b in sync.buckets]
+    # each bucket: its gradients, a used flag per parameter, one alarm element
+    return len(sync.buckets), [b.numel + len(b.names) + 1 for b in sync.buckets]
 
 
 def test_comm_stats_counts_one_async_all_reduce_per_bucket_in_backward():
@@ -759,3 +762,29 @@ def test_ranks_with_different_models_get_the_same_error():
     msgs = spmd.launch(_different_models, (2,), "dp", args=("names",))
     assert "disagree about entry 0 of the parameters and buffers" in msgs[0]
     assert "rank 1 differs from rank 0" in msgs[0] and "rank 1 differs from rank 0" in msgs[1]
+
+
+# =========================================================================================
+# The synchronised set is fixed when GradSync is built
+# =========================================================================================
+
+@pytest.mark.parametrize("change, says", [
+    ("added", r"parameter 'extra' \(f32\[2\]\) was added to the module \(or set to require "
+              r"grad\)"),
+    ("off", r"parameter 'bias' \(f32\[2\]\) no longer requires grad \(or was removed\)"),
+    ("reshaped", r"parameter 'bias' changed from f32\[2\] to f32\[1\]"),
+])
+def test_a_changed_parameter_set_raises_on_every_rank_naming_it(change, says):
+    msgs = spmd.launch(change_after_wrapping, (2,), "dp", args=(change, (0, 1)), timeout=20)
+    for r, m in enumerate(msgs):
+        assert m is not None, f"rank {r} raised nothing"
+        assert re.search(r"^GradSync: " + says + r" after GradSync was built \(rank " + str(r)
+                         + r"\).*build a new GradSync after changing the model", m), m
+
+
+def test_a_change_on_one_rank_only_raises_on_every_rank():
+    msgs = spmd.launch(change_after_wrapping, (2,), "dp", args=("added", (1,)), timeout=20)
+    assert re.search(r"^GradSync: parameter 'extra' \(f32\[2\]\) was added", msgs[1]), msgs[1]
+    assert re.search(r"^GradSync: the synchronised parameters changed after GradSync was built "
+                     r"on 1 other rank of axis 'dp' \(this is rank 0\); its error names the "
+                     r"parameter", msgs[0]), msgs[0]

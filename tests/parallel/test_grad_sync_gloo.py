@@ -15,6 +15,7 @@ from _parallel_cases import (
     Field,
     Heads,
     Partly,
+    change_after_wrapping,
     check_heads,
     check_train,
     check_unused,
@@ -227,3 +228,12 @@ def test_startup_over_the_whole_mesh_and_a_varying_field_2x2(gloo4):
         rows = slice(0, 3) if r % 2 == 0 else slice(3, 5)
         torch.testing.assert_close(end["lin.weight"], want["lin.weight"], **TOL)
         torch.testing.assert_close(end["pos"], want["pos"][rows], **TOL)
+
+
+def test_a_parameter_added_on_one_rank_raises_on_every_rank_world2(gloo2):
+    """Whether any rank changed its synchronised parameters rides in the buckets'
+    all-reduce: the unchanged rank raises too, instead of waiting or reducing."""
+    msgs = gloo2.run(change_after_wrapping, (2,), ("dp",), args=("added", (1,)))
+    assert msgs[1].startswith("GradSync: parameter 'extra' (f32[2]) was added"), msgs[1]
+    assert msgs[0].startswith("GradSync: the synchronised parameters changed after GradSync "
+                              "was built on 1 other rank of axis 'dp' (this is rank 0)"), msgs[0]

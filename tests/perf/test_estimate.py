@@ -219,8 +219,9 @@ def test_overlapped_grad_sync_hides_all_but_the_last_bucket():
                         torch.randn(1, 1, 16), **FAST)
     net = Network(0.0, 1e3)  # 1 kB/s: the all-reduce of one bucket takes seconds
     p = est.predict(2, network=net, grad_sync="overlap")
-    # One bucket (under 1 MiB): the whole all-reduce is exposed, with one flag per parameter.
-    elems = sum(q.numel() for q in model.parameters()) + 4
+    # One bucket (under 1 MiB): the whole all-reduce is exposed, with one flag per parameter
+    # and the bucket's alarm element.
+    elems = sum(q.numel() for q in model.parameters()) + 4 + 1
     assert p.grad_sync_s == pytest.approx(collective_time(net, "all_reduce", 2, payload=4 * elems))
 
 

@@ -272,10 +272,12 @@ def test_no_communication_when_no_reduced_dim_is_split(op):
 def test_errors():
     mesh = spmd.Mesh((2,), ("sp",))
 
-    def call(spec=None, x=None, **kw):
+    def call(spec=None, x=None, fresh=False, **kw):
+        # fresh: reduce a tensor made in the body, which carries no mark of shard_map's
+        # split, so that the rank's own shape check answers (core/provenance.py)
         spec = P("sp") if spec is None else spec
-        return spmd.shard_map(lambda x: reduce(x, mesh, spec, **kw), mesh, P("sp"), P())(
-            torch.ones(4, 2) if x is None else x)
+        return spmd.shard_map(lambda x: reduce(x + 0 if fresh else x, mesh, spec, **kw), mesh,
+                              P("sp"), P())(torch.ones(4, 2) if x is None else x)
 
     with pytest.raises(spmd.SpecError, match="op must be one of"):
         call(op="prod")
@@ -292,12 +294,17 @@ def test_errors():
     with pytest.raises(spmd.SpecError, match="spec .* has 3 entries but x"):
         call(spec=P("sp", None, None))
     with pytest.raises(spmd.SpecError, match=r"but sizes=\[3, 1\] says"):
+        call(dim=0, sizes={0: [3, 1]}, fresh=True)
+    with pytest.raises(spmd.SpecError, match=r"sizes \{0: \[3, 1\]\} give dim 0 the shard "
+                       r"sizes \[3, 1\], but x is a shard_map argument split as \[4, 2\]"):
         call(dim=0, sizes={0: [3, 1]})
     with pytest.raises(spmd.SpecError, match="sizes for dim 0 has 3 entries"):
         call(dim=0, sizes={0: [2, 2, 0]})
     with pytest.raises(spmd.SpecError, match="dim 1, which spec"):
         call(dim=0, sizes={1: [1, 1]})
     with pytest.raises(spmd.SpecError, match="says its shard is"):
+        call(dim=0, sizes=spmd.Layout((5, 2), P("sp"), mesh), fresh=True)
+    with pytest.raises(spmd.SpecError, match=r"x \(its sizes Layout\) as a shard of \[5, 2\]"):
         call(dim=0, sizes=spmd.Layout((5, 2), P("sp"), mesh))
     with pytest.raises(spmd.SpecError, match="needs a floating-point"):
         call(op="mean", x=torch.ones(4, 2, dtype=torch.int64))
