@@ -681,8 +681,8 @@ def _differing_globals(mesh, what):
               r"between rank 0 and rank 1"),
 ])
 def test_ranks_passing_different_globals_raise_under_validation(gloo2, what, err):
-    """Reliability item 5: each process split its own copy of the global argument (or
-    used its own parameters) and the result silently mixed them."""
+    """Processes that pass different global arguments (or parameters) must not have their
+    splits silently mixed: under validation every rank raises."""
     got = gloo2.run(_differing_globals, (2,), ("sp",), args=(what,))
     assert all(isinstance(g, str) and re.search(err, g) for g in got), got
     assert gloo2.run(_differing_globals, (2,), ("sp",), args=("none",)) == [28.0, 28.0]

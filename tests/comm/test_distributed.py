@@ -303,9 +303,8 @@ UNALIKE_2 = [
 
 
 def test_unalike_reductions_raise_on_every_rank_without_validation(gloo2):
-    """Reliability item 4: without SPMD_VALIDATE, a reduction called with another op,
-    dtype or shape on another rank returned garbage (or, psum against pmax, aborted the
-    process). Small ones (<= 512 bytes) are gathered with their metadata: the same
+    """Without SPMD_VALIDATE, a reduction called with another op, dtype or shape on
+    another rank must not return garbage (or, psum against pmax, abort the process). Small ones (<= 512 bytes) are gathered with their metadata: the same
     error, naming both calls, on every rank. Larger ones carry a header: every rank
     raises, naming its own call."""
     small = gloo2.run(_unalike, (2,), ("sp",), args=(UNALIKE_2,))

@@ -1,6 +1,5 @@
-"""Reliability item 5: an op's ``spec=`` that disagrees with how shard_map split its
-input is refused under SPMD_VALIDATE=1 (it computed halos from the wrong neighbours and
-returned wrong values, silently)."""
+"""An op's ``spec=`` that disagrees with how shard_map split its input is refused (it
+would compute halos from the wrong neighbours and return wrong values, silently)."""
 from __future__ import annotations
 
 import pytest
