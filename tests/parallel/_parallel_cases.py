@@ -455,7 +455,7 @@ def startup_2d(mesh, init, by):
 def change_after_wrapping(mesh, change, on_ranks):
     """One clean step, then ``change`` applied to the model on ``on_ranks``; the next
     backward's error (or None) and whether the second step left per-rank gradients."""
-    torch.manual_seed(0)
+    spmd.manual_seed(0)
     model = nn.Linear(3, 2)
     sync = spmd.parallel.GradSync(model, mesh, "dp")
     x = torch.full((1, 3), float(mesh.rank + 1))
