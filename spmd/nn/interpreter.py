@@ -8,9 +8,10 @@ Each call goes to its rule (``rules.py``), which reads the split of its inputs f
 tags and tags its outputs. Nothing global is patched: other threads and code outside
 the converted forward are untouched.
 
-Before the first real call with a given input signature, the forward runs once on meta
-tensors (no memory, no communication), every split dim given a stand-in size: this is
-the *plan*. A call the plan refuses raises, on every rank alike, before anything runs;
+Before the first real call with a given input signature, the forward runs on meta tensors
+(no memory, no communication), every split dim given a stand-in size: this is the *plan*
+(made twice, the split dims' sizes changed, to find numbers computed from them:
+``sizes.py``). A call the plan refuses raises, on every rank alike, before anything runs;
 ``convert(..., example=...)`` makes the plan at once, from the global shape.
 """
 from __future__ import annotations

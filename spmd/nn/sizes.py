@@ -65,11 +65,13 @@ class Sizes:
             return ""
         if k >= len(self.calls):
             self.off = True  # the other plan stopped (it raised) or ended before this call
-            return _parted(run, "ends before this call") if self.finished else ""
+            return _parted(run, "is reached here, where the same forward planned with other "
+                           "sizes of the split dims has ended") if self.finished else ""
         other, theirs = self.calls[k]
         if other != name:
             self.off = True
-            return _parted(run, f"calls {other} here")
+            return _parted(run, f"is reached here, where the same forward planned with other "
+                                f"sizes of the split dims calls {other}")
         if poisoned:
             return ""  # after a refused call: that refusal says it
         if len(nums) != len(theirs):
@@ -91,7 +93,8 @@ class Sizes:
         if self.off or self.recording or len(self.mine) >= len(self.calls) or run.plan is None:
             return ""
         other = self.calls[len(self.mine)][0]
-        return _parted(run, f"goes on to call {other} where this forward has ended")
+        return _parted(run, f"ends here, where planned with other sizes of the split dims it "
+                            f"goes on to call {other}")
 
     def confirm(self, entries: list, again: Callable[[], Sizes]) -> None:
         """Keep the refusals ``found`` (in ``entries``, the plan's) whose call a run at the
@@ -108,12 +111,11 @@ class Sizes:
                 entries.remove(e)
 
 
-def _parted(run: Any, what: str) -> str:
+def _parted(run: Any, text: str) -> str:
     if run.plan is not None and run.plan.refused:
         return ""  # the refusals already there come first: this may follow from them
-    return (f"is where the forward parts from itself: planned with other sizes of the split "
-            f"dims, it {what}. A Python branch or loop on a split dim's size (if x.shape[d] "
-            f"...:, range(x.shape[d])) decides with each rank's own share; decide from the "
+    return (f"{text}: a Python loop or branch on a split dim's size (range(x.shape[d]), "
+            f"if x.shape[d] ...:) runs with each rank's own share; loop or decide on the "
             f"global size, or keep such code out of the converted forward")
 
 
