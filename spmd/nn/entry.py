@@ -108,14 +108,18 @@ class Config:
         effects land there) on meta stand-ins of tagged ``args`` (sizes from ``shapes``;
         the global ones with ``global_sizes``).
 
-        It runs twice: first with every split dim ``_SHIFT`` longer, recording the plain
+        It runs twice: first with every split dim longer (by ``_SHIFT`` times 1, 2, 4, ...
+        for its mesh axes: a ratio of two split sizes changes too), recording the plain
         numbers each torch call is given, then as the plan, refusing a number that
         changed with the sizes (``sizes.py``). Python's ``random`` (and numpy's) draw the
         same numbers in both."""
         sizes = Sizes()
         rng = _random_state()
+        names = self.mesh.axis_names
+        # dims split over other axes shift by other amounts: h / w changes too
         self._forward(module, args, kwargs, lambda a, e: [
-            s + _SHIFT if x else s for x, s in zip(e, shapes(a, e))], False, name, sizes)
+            s + _SHIFT * sum(2 ** names.index(n) for n in x) if x else s
+            for x, s in zip(e, shapes(a, e))], False, name, sizes)
         _random_state(rng)
         sizes.compare()
         plan = self._forward(module, args, kwargs, shapes, global_sizes, name, sizes)

@@ -50,8 +50,9 @@ _local = threading.local()
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7)
-#: The second plan's split dims are the first's plus this (896 = 7 * 2 ** 7): sizes mod
-#: 2 ** 7 and mod 7 stay, so pools and patches divide as before and branches on them agree.
+#: The second plan's split dims are the first's plus a multiple of this (896 = 7 * 2 ** 7):
+#: sizes mod 2 ** 7 and mod 7 stay, so pools and patches divide as before and branches on
+#: them agree.
 _SHIFT = _CANONICAL
 _CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
              "linspace", "logspace", "eye", "randperm", "tensor", "as_tensor"}

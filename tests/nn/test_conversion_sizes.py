@@ -164,3 +164,19 @@ def test_a_number_that_changes_for_another_reason_is_not_blamed_on_sizes():
         random.seed(seed)
         spmd.nn.convert(Fn(lambda m, x: x * random.random()), MESH, H, example=_x())
         spmd.nn.convert(Fn(coin), MESH, H, example=_x())
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_ratio_of_two_split_sizes_is_refused(example):
+    """H split over one axis, W over another: the other plan changes them by different
+    amounts, so their ratio (1 on a square field of 9 x 9, 5 / 4 on the shard of 5 x 4
+    of two ranks) changes too, at the stand-in sizes as well as from the global ones."""
+    mesh = spmd.Mesh((2, 2), ("a", "b"))
+    s = P(None, None, "a", "b")
+    x = torch.randn(1, 2, 9, 9, dtype=F64)
+    model = Fn(lambda m, x: x * (float(x.shape[2]) / float(x.shape[3])))
+    with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+        conv = spmd.nn.convert(model, mesh, s, **({"example": x} if example else {}))
+        spmd.shard_map(conv, mesh, s, s)(x)
+    assert stats.calls() == 0
+    assert "mul is given a number computed from a split dim's size" in str(e.value)
