@@ -77,8 +77,9 @@ class _Tracked:
     """Arithmetic that remembers it started from a split dim's size (``LocalSize`` and
     ``LocalFloat``): the result of ``+ - * / // % **`` with a number is tracked too, an int
     as a ``LocalSize``, a float as a ``LocalFloat``. ``math.floor``/``ceil``/``trunc`` and
-    ``round`` keep the tracking. Not seen: ``int(...)`` (Python makes it a plain int) and
-    a float on the left of an int size (``0.5 * h``: Python asks the float first)."""
+    ``round`` keep the tracking. Not followed: ``int(...)``, ``float(...)``, ``math.sqrt``
+    (Python makes them plain numbers) and a float on the left of an int size (``0.5 * h``:
+    Python asks the float first); the plan finds those by planning twice (``sizes.py``)."""
 
     origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     expr: str

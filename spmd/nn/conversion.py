@@ -71,12 +71,16 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       ``mode='area'`` or ``antialias=True`` along it, a ``linspace`` of this rank's
       size, ...) are refused.
 
-    Not seen: Python's own use of a split dim's size (``range(x.shape[2])`` counts this
-    rank's rows) and the backward of a user's ``torch.autograd.Function``.
+    A split dim's size in arithmetic is refused, also where Python made it a plain
+    number (``math.sqrt(x.shape[2])``, ``0.5 * h``, ``int(h * 1.5)``): the plan runs a
+    second time with other sizes of the split dims and refuses a number given to a torch
+    call that changed with them, and a loop or branch on such a size that makes other
+    calls. Not seen: a number that agrees at both sizes (``h % 8``), and the backward of
+    a user's ``torch.autograd.Function``.
 
-    Before the first call with a given input signature, the forward runs once on a
-    planning copy of the layers (their Python attributes copied, their parameters and
-    buffers meta tensors: no memory, no communication) to make the plan; a refusal there
+    Before the first call with a given input signature, the forward runs on a planning
+    copy of the layers (their Python attributes copied, their parameters and buffers
+    meta tensors: no memory, no communication) to make the plan; a refusal there
     raises on every rank alike before anything runs. ``model.spmd_plan`` is the latest
     plan. What the forward does to its layers' state (a step counter, a buffer updated in
     place, a first-call initialisation from the data) happens in the real call only: one
@@ -91,7 +95,8 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     after the forward. Layers not looked into (``types=``, ``allow=``, ``spmd.nn``
     layers) keep their state to themselves. Side effects outside the model (a print, a
     list or counter of your own that the forward or a hook appends to) happen in the
-    plan too: keep them out of forward, or let them see meta tensors. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
+    plan too (once per planning run): keep them out of forward, or let them see meta
+    tensors. Parameters, buffers and ``state_dict`` keys are unchanged; ``model``
     itself is not modified. Run the result inside ``spmd.shard_map`` (or per-rank code).
 
     Args:

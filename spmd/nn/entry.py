@@ -9,6 +9,7 @@ their input.
 """
 from __future__ import annotations
 
+import random
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -23,8 +24,9 @@ from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
-from .interpreter import _CANONICAL, Plan, _current, _Entry, _flat, _Run, _state
+from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
+from .sizes import Sizes
 
 __all__ = ["Config", "install", "example_shapes"]
 
@@ -104,10 +106,39 @@ class Config:
              global_sizes: bool = False, name: str | None = None) -> Plan:
         """Run a planning copy of ``module`` (``state.planning_copy``: the forward's side
         effects land there) on meta stand-ins of tagged ``args`` (sizes from ``shapes``;
-        the global ones with ``global_sizes``)."""
+        the global ones with ``global_sizes``).
+
+        It runs twice: first with every split dim longer (by ``_SHIFT`` times 1, 2, 4, ...
+        for its mesh axes: a ratio of two split sizes changes too), recording the plain
+        numbers each torch call is given, then as the plan, refusing a number that
+        changed with the sizes (``sizes.py``). Python's ``random`` (and numpy's) draw the
+        same numbers in both."""
+        sizes = Sizes()
+        rng = _random_state()
+        names = self.mesh.axis_names
+        # dims split over other axes shift by other amounts: h / w changes too
+        self._forward(module, args, kwargs, lambda a, e: [
+            s + _SHIFT * sum(2 ** names.index(n) for n in x) if x else s
+            for x, s in zip(e, shapes(a, e))], False, name, sizes)
+        _random_state(rng)
+        sizes.compare()
+        plan = self._forward(module, args, kwargs, shapes, global_sizes, name, sizes)
+
+        def again() -> Sizes:  # the plan's own sizes once more, from the same random state
+            after, other = _random_state(), Sizes()
+            _random_state(rng)
+            self._forward(module, args, kwargs, shapes, global_sizes, name, other)
+            _random_state(after)
+            return other
+        sizes.confirm(plan.entries, again)
+        return plan
+
+    def _forward(self, module: torch.nn.Module, args: tuple, kwargs: dict,
+                 shapes: Callable, global_sizes: bool, name: str | None,
+                 sizes: Sizes) -> Plan:
         name = name or self.name
         twin = state.planning_copy(module, keep=(self, self.mesh))
-        before = state.snapshot(twin, self.is_opaque)
+        before = state.snapshot(twin, self.is_opaque) if not sizes.recording else None
 
         def make(a, entries):
             m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
@@ -116,12 +147,18 @@ class Config:
         ins = [f"input {i}: {spec_of(entries_of(a, self.mesh))!r}" for i, a in enumerate(margs)
                if isinstance(a, torch.Tensor)]
         plan = Plan(self.name, ins or ["no tensor inputs"], global_sizes=global_sizes)
-        run = _Run(self, planning=True, plan=plan)
+        run = _Run(self, planning=True, plan=plan, sizes=sizes)
         run.start()
         try:
             out = twin(*margs, **mkwargs)
+            sizes.finished |= sizes.recording
+            problem = sizes.end(run)
+            if problem:
+                plan.entries.append(_Entry("refused", f"in {plan.model}", "the forward",
+                                           problem))
+                sizes.found.append((len(sizes.mine), plan.entries[-1]))
         except SpecError as e:
-            if not getattr(e, "plan_stop", False):
+            if not getattr(e, "plan_stop", False) and not sizes.recording:
                 raise  # a convert error (an spmd call in the forward, a spec too long)
             plan.incomplete = (f"{run.where()}: a layer not looked into runs spmd's own "
                                f"functions, which a plan does not")
@@ -131,6 +168,8 @@ class Config:
             out = None
         finally:
             run.stop()
+        if sizes.recording:
+            return plan
         for t in _flat((out,), {}):
             if isinstance(t, torch.Tensor):
                 tag = tag_of(t)
@@ -366,3 +405,14 @@ def is_shape(x: Any) -> bool:
     return isinstance(x, (tuple, list, torch.Size)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in x)
 
+
+
+def _random_state(state: tuple | None = None) -> tuple | None:
+    """Python's (and numpy's, where loaded) random state; with ``state``, set it back."""
+    np = sys.modules.get("numpy")
+    if state is None:
+        return random.getstate(), np.random.get_state() if np is not None else None
+    random.setstate(state[0])
+    if state[1] is not None:
+        np.random.set_state(state[1])
+    return None

@@ -8,9 +8,10 @@ Each call goes to its rule (``rules.py``), which reads the split of its inputs f
 tags and tags its outputs. Nothing global is patched: other threads and code outside
 the converted forward are untouched.
 
-Before the first real call with a given input signature, the forward runs once on meta
-tensors (no memory, no communication), every split dim given a stand-in size: this is
-the *plan*. A call the plan refuses raises, on every rank alike, before anything runs;
+Before the first real call with a given input signature, the forward runs on meta tensors
+(no memory, no communication), every split dim given a stand-in size: this is the *plan*
+(made twice, the split dims' sizes changed, to find numbers computed from them:
+``sizes.py``). A call the plan refuses raises, on every rank alike, before anything runs;
 ``convert(..., example=...)`` makes the plan at once, from the global shape.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ._tags import (
 
 if TYPE_CHECKING:
     from .entry import Config
+    from .sizes import Sizes
 
 __all__ = ["Plan"]
 
@@ -48,6 +50,10 @@ _local = threading.local()
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7)
+#: The second plan's split dims are the first's plus a multiple of this (896 = 7 * 2 ** 7):
+#: sizes mod 2 ** 7 and mod 7 stay, so pools and patches divide as before and branches on
+#: them agree.
+_SHIFT = _CANONICAL
 _CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
              "linspace", "logspace", "eye", "randperm", "tensor", "as_tensor"}
 
@@ -180,9 +186,11 @@ class _Mode(TorchFunctionMode):
 class _Run:
     """One forward of a converted model on this thread (or its plan on meta tensors)."""
 
-    def __init__(self, cfg: Config, planning: bool, plan: Plan | None = None):
+    def __init__(self, cfg: Config, planning: bool, plan: Plan | None = None,
+                 sizes: Sizes | None = None):
         self.cfg, self.mesh, self.planning = cfg, cfg.mesh, planning
         self.plan = plan
+        self.sizes = sizes  # the two plans' numbers, call by call (planning only)
         self.paths: list[str] = []
         self.suspended = 0
         self.internal = 0  # spmd's own hooks at work: their torch calls are not the model's
@@ -296,6 +304,12 @@ class _Run:
         if self.suspended:
             return self.execute(func, args, kwargs)
         split, poisoned = self._inspect(args, kwargs)
+        if self.sizes is not None:
+            problem = self.sizes.see(self, func, args, kwargs, poisoned)
+            if problem and self.plan is not None:  # kept if a rerun confirms it
+                self.record("refused", rules.Call(self, func, rules.op_name(func), args, kwargs),
+                            problem)
+                self.sizes.found.append((len(self.sizes.mine) - 1, self.plan.entries[-1]))
         if poisoned:
             res = self.execute(func, args, kwargs)
             self._poison(res)

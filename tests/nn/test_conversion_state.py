@@ -301,15 +301,16 @@ def test_torch_norms_with_running_statistics_are_exact_on_rank_threads(norm):
 
 
 def test_buffers_the_rank_threads_update_differently_raise_naming_them():
-    """A buffer updated from this rank's own count (a Python float of a split size): the
-    copies differ, every rank raises naming it, and the buffer keeps its value."""
+    """A buffer updated from this rank's own count (the parity of a split size, the same
+    at both of the plan's stand-in sizes, so the plan cannot see it): the copies differ,
+    every rank raises naming it, and the buffer keeps its value."""
     class Rows(nn.Module):
         def __init__(self):
             super().__init__()
             self.register_buffer("rows", torch.zeros((), dtype=F64))
 
         def forward(self, x):
-            self.rows.add_(float(x.shape[2]))
+            self.rows.add_(float(x.shape[2] % 2))  # 10, 9, 9, 9 rows: 0, 1, 1, 1
             return 2 * x
 
     mesh = spmd.Mesh((4,), ("sp",))
