@@ -6,8 +6,6 @@ Metadata travels as int64 tensors, never pickled objects: a row is
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -26,11 +24,6 @@ _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 _DCODE = {d: i for i, d in enumerate(_DTYPES)}
 _ROPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ROP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
-# Reductions of at most _SMALL bytes go as one all_gather of fixed-size rows
-# (TorchComm._gathered): [op code + metadata row as int64 | payload bytes].
-_SMALL = 512
-_GMETA = 8 * (1 + _ROW)
-_GROW = _GMETA + _SMALL  # both multiples of 16: payloads are aligned for every dtype
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -139,36 +132,6 @@ def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
     if op in ("broadcast", "scatter"):
         return "src", a, b
     return "pairs", "one set", "another"
-
-
-@functools.lru_cache(maxsize=512)
-class _Rows:
-    """A gathered reduction's buffers: the row this rank sends ([op and metadata row as
-    int64 | payload | zeros]: only the payload changes from call to call), what every
-    member's row arrives in, and views of the arrived metadata and payloads (rows are
-    16-byte aligned, so a payload is viewed in place in any dtype)."""
-
-    __slots__ = ("row", "payload", "out", "rows", "metas", "expect", "vals")
-
-    def __init__(self, x: torch.Tensor, op: str, n: int, name: str):
-        nb = x.numel() * x.element_size()
-        mine = _gathered_meta(op, x.dtype, tuple(x.shape), name).to(x.device)
-        self.row = torch.zeros(_GROW, dtype=torch.uint8, device=x.device)
-        self.row[:_GMETA].copy_(mine)
-        self.payload = self.row[_GMETA:_GMETA + nb]
-        self.out = self.row.new_empty(n * _GROW)
-        self.rows = self.out.view(n, _GROW)
-        self.metas = self.rows[:, :_GMETA]
-        self.expect = mine.expand(n, -1)
-        vals = self.rows[:, _GMETA:_GMETA + nb]
-        self.vals = vals if x.dtype == torch.bool else vals.view(x.dtype)
-
-
-def _gathered_meta(op: str, dtype: torch.dtype, shape: tuple[int, ...], name: str
-                   ) -> torch.Tensor:
-    """The metadata bytes of a gathered reduction's row: op code and ``_row_of``."""
-    meta = torch.tensor([_ROP_CODE[op], *_row_of(shape, dtype, name)], dtype=torch.int64)
-    return _bytes(meta)
 
 
 def _plans_disagree(name: str, group: Group, rank: int, want: list[int], src: int,

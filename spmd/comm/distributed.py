@@ -52,13 +52,15 @@ import torch.distributed as dist
 from ..core._format import shape_str
 from ..core.errors import CommError, SpecError
 from ..core.mesh import Group, Mesh
-from . import _header
+from . import _envelope, _header
+from ._envelope import Rows
 from ._groups import _PG, _ProcessGroups, _Progress
 from ._header import wire_op
-from ._meta import (_DCODE, _DTYPES, _MAXDIM, _ROP_CODE, _ROPS, _ROW, _SMALL, _Rows,
-                    _all_gather_single, _axes, _bytes, _check_rows, _copy, _dtype, _extra,
+from ._meta import (_DCODE, _DTYPES, _MAXDIM, _ROP_CODE, _ROPS, _ROW,
+                    _all_gather_single, _axes, _bytes, _check_rows, _copy, _dtype,
                     _mismatch, _norm_dim, _numel, _piece_bytes, _plans_disagree,
                     _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible)
+from ._p2p import _Exchange
 from ._validate import _Validation
 from ._work import _TorchWork
 from .base import Pending, check_scatter
@@ -75,7 +77,7 @@ _PIECE = 4 << 20
 _STAGES = 2
 
 
-class TorchComm(_ProcessGroups, _Validation):
+class TorchComm(_ProcessGroups, _Validation, _Exchange):
     """The comm protocol (``spmd/comm/base.py``) on torch.distributed.
 
     Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
@@ -110,7 +112,7 @@ class TorchComm(_ProcessGroups, _Validation):
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
-        if (self._checked(x.device) and x.numel() * x.element_size() <= _SMALL
+        if (self._checked(x.device) and x.numel() * x.element_size() <= _envelope.INLINE
                 and x.ndim <= _MAXDIM):
             return self._gathered(x, op, group, rec, seq, name)
         head = self._header(op, x.dtype, tuple(x.shape), group.size, x.device)
@@ -159,26 +161,13 @@ class TorchComm(_ProcessGroups, _Validation):
         return not self.validate and self.checks and device.type == "cpu"
 
     def _gathered(self, x, op, group, rec, seq, name):
-        """A small reduction as one all_gather of every member's [op, dtype, shape |
-        payload] row, reduced locally: gloo's ring all-reduce of a header and a few
-        elements takes twice the steps of an all-gather, so this is the cheap way to
-        check everything (shape included) in the same round trip. Every member reduces
-        the same rows in the same order, so the result is bitwise equal on all of them;
-        NaN wins (amax/amin) with no second round."""
-        g = self._rows(x, op, group.size, name)
-        g.payload.copy_(_bytes(x.detach().contiguous()))
-        self._call(_all_gather_single, name, group, rec, seq, g.out, g.row)
-        if not torch.equal(g.metas, g.expect):
-            metas = g.metas.contiguous().view(torch.int64).tolist()
-            metas = [metas[p] for p in rec.pg_of]
-            for i, m in enumerate(metas):
-                if m[0] != metas[0][0]:
-                    label, a, b = _extra("all_reduce", metas[0][0], m[0])
-                    raise CommError(f"{name} over {_axes(group)}: rank {group.ranks[0]} passed "
-                                    f"{label} {a} but rank {group.ranks[i]} passed {label} {b}; "
-                                    f"every rank must pass the same {label}",
-                                    op=name, axes=group.axes)
-            _check_rows([m[1:] for m in metas], group, name)
+        """A small reduction as one all_gather of every member's envelope (the head and
+        the payload inline, ``_envelope.py``), reduced locally: gloo's ring all-reduce of
+        a header and a few elements takes twice the steps of an all-gather, so this is
+        the cheap way to check everything (kind, call number, op, dtype, shape) in the
+        same round trip. Every member reduces the same rows in the same order, so the
+        result is bitwise equal on all of them; NaN wins (amax/amin) with no second round."""
+        g = self._envelopes(group, rec, seq, name, "all_reduce", _ROP_CODE[op], x)
         vals = g.vals
         if x.dtype == torch.bool:
             red = vals.bool().all(0) if op == "min" else vals.bool().any(0)
@@ -187,18 +176,48 @@ class TorchComm(_ProcessGroups, _Validation):
                    else vals.amax(0) if op == "max" else vals.amin(0))
         return red.view(x.shape)  # a new tensor: the buffers serve the next call
 
-    def _rows(self, x: torch.Tensor, op: str, n: int, name: str) -> _Rows:
-        """The send row and receive buffer of a gathered reduction of ``x``, made once
-        per (op, dtype, shape, group size, device) and thread: each call then copies its
-        payload in and reduces out of them (on a slow CPU each torch call saved is
-        several microseconds of a call that costs a few hundred)."""
+    def _envelopes(self, group, rec, seq, name, kind, extra, x) -> Rows:
+        """Every member's envelope of ``x`` (None: no payload), point to point (so that
+        it meets the other checked calls' envelopes, whatever their kind), checked:
+        the rows, in member order."""
+        shape, dtype = (tuple(x.shape), x.dtype) if x is not None else ((), torch.uint8)
+        device = x.device if x is not None else self.mesh.device
+        me, n = group.index, group.size
+        g = self._rows(kind, extra, shape, dtype, group, name, device)
+        g.seq.fill_(seq)
+        if x is not None:
+            g.payload.copy_(_bytes(x.detach().contiguous()))
+        pg, ranks, tag = rec.pg, group.ranks, _envelope.tag_of(seq)
+        works = []
+        try:
+            for i in range(n):
+                if i != me:
+                    works.append(dist.irecv(g.rows[i], ranks[i], group=pg, tag=tag))
+            for i in range(n):
+                if i != me:
+                    works.append(dist.isend(g.env, ranks[i], group=pg, tag=tag))
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq) from e
+        deadline = time.monotonic() + self.mesh.timeout
+        for w in works:
+            self._wait(w, name, group, rec, seq, None, deadline)
+        if not torch.equal(g.heads, g.expect):
+            _envelope.check_all(_envelope.heads_of(g.heads), group, name)
+        return g
+
+    def _rows(self, kind, extra, shape, dtype, group, name, device) -> Rows:
+        """The envelopes of a gathered call, made once per (kind, argument, dtype, shape,
+        group, device) and thread: each call then copies its payload in and reduces out
+        of them (on a slow CPU each torch call saved is several microseconds of a call
+        that costs a few hundred)."""
         cache = self._local.__dict__.setdefault("rows", {})
-        key = (op, x.dtype, tuple(x.shape), n, x.device)
+        key = (kind, extra, dtype, shape, group, device)
         g = cache.get(key)
         if g is None:
             if len(cache) >= 256:  # a program of many small shapes: start over
                 cache.clear()
-            g = cache[key] = _Rows(x, op, n, name)
+            g = cache[key] = Rows(kind, extra, shape, dtype, group.size, group.index, name,
+                                  device)
         return g
 
     def _header(self, op, dtype, shapes, n, device):
@@ -245,6 +264,8 @@ class TorchComm(_ProcessGroups, _Validation):
             return [_copy(x)]
         rec = self._rec(group)
         seq = self._enter(rec)
+        if self._checked(x.device) and x.ndim <= _MAXDIM:
+            return self._all_gather_p2p(x, group, rec, seq, d, sizes, name)
         if self.validate or sizes is None:
             if self.validate:
                 rows = self._validate(rec, group, seq, "all_gather", d, [x], name, skip_dim=d)
@@ -279,6 +300,28 @@ class TorchComm(_ProcessGroups, _Validation):
             off = rec.pg_of[i] * m
             res.append(out[off:off + nbytes[i]].view(x.dtype).view(s))
         return res
+
+    def _all_gather_p2p(self, x, group, rec, seq, d, sizes, name):
+        """all_gather in envelopes (``_envelope.py``), point to point: every member reads
+        every other's head (kind, call number, dim, dtype, shape) before any payload
+        larger than an envelope is received, so a disagreement, sizes included, is the
+        same CommError on every rank; no size exchange of its own."""
+        me, n = group.index, group.size
+        xc = x.detach().contiguous()
+        head = _envelope.head_of("all_gather", seq, d, xc.shape, xc.dtype, name)
+        others = [i for i in range(n) if i != me]
+        f = self._start(group, rec, seq, name, [(i, head, xc) for i in others], others,
+                        x.device)
+        heads = f.heads()
+        try:
+            _envelope.check_all([heads[i] if i != me else head for i in range(n)], group,
+                                name, skip_dim=d, sizes=sizes)
+        except CommError:
+            f.drain()
+            raise
+        got = f.finish()
+        got[me] = xc.clone()
+        return [got[i] for i in range(n)]
 
     def reduce_scatter(self, chunks, op, group, *, name):
         count("reduce_scatter", name, group, chunks=chunks)
@@ -351,6 +394,8 @@ class TorchComm(_ProcessGroups, _Validation):
         if self.validate:
             self._validate(rec, group, seq, "all_to_all", 0, [], name, count=len(chunks))
         dev = chunks[group.index].device
+        if self._checked(dev) and all(c.ndim <= _MAXDIM for c in chunks):
+            return self._all_to_all_p2p(chunks, group, rec, seq, shapes, wait, token, name)
         send = [chunks[i].detach().contiguous() for i in rec.idx_of]  # process-group order
         if shapes is not None and not self.validate:
             # The caller's plan knows what arrives: no metadata exchange.
@@ -391,6 +436,38 @@ class TorchComm(_ProcessGroups, _Validation):
                     seg = seg.clone()
                 res.append(seg.view(dt).view(r[3:3 + r[1]]))
             return res
+        return finish() if wait else Pending(finish, token)
+
+    def _all_to_all_p2p(self, chunks, group, rec, seq, shapes, wait, token, name):
+        """all_to_all in envelopes: each member reads every other's head (kind, call
+        number, dtype, and the shape its plan expects where ``shapes`` is given) before
+        a payload larger than an envelope is received. Needs no shape exchange: the
+        envelopes say what arrives."""
+        me, n = group.index, group.size
+        dtype, dev = chunks[me].dtype, chunks[me].device
+        send = [c.detach().contiguous() for c in chunks]
+        heads = [_envelope.head_of("all_to_all", seq, 0, c.shape, c.dtype, name) for c in send]
+        others = [i for i in range(n) if i != me]
+        f = self._start(group, rec, seq, name, [(i, heads[i], send[i]) for i in others], others,
+                        dev)
+
+        def finish() -> list[torch.Tensor]:
+            got, row = f.heads(), _envelope.ROW
+            for i in others:
+                h = got[i]
+                try:
+                    _envelope.check_from(h, heads[me], group.ranks[i], group, name, shape=False)
+                    if shapes is not None and h[row:] != _row_of(tuple(shapes[i]), dtype, name):
+                        raise _plans_disagree(name, group, group.rank,
+                                              _row_of(tuple(shapes[i]), dtype, name),
+                                              group.ranks[i], h[row:], "a halo width",
+                                              verb="sent")
+                except CommError:
+                    f.drain()
+                    raise
+            res = f.finish()
+            res[me] = _copy(send[me])
+            return [res[i] for i in range(n)]
         return finish() if wait else Pending(finish, token)
 
     def scatter(self, chunks, src, group, *, name, shape, dtype, device):
@@ -514,6 +591,8 @@ class TorchComm(_ProcessGroups, _Validation):
                            [x], name)
         xc = x.detach().contiguous()
         dsts = [d for s, d in pairs if s == me and d != me]
+        if self._checked(x.device) and x.ndim <= _MAXDIM:
+            return self._permute_p2p(xc, group, rec, seq, pairs, srcs, dsts, name)
         ops, recv = [], {}
         pg = rec.pg
         for d in dsts:
@@ -536,6 +615,27 @@ class TorchComm(_ProcessGroups, _Validation):
         if not srcs:
             return None
         return _copy(x) if srcs[0] == me else recv[srcs[0]]
+
+    def _permute_p2p(self, xc, group, rec, seq, pairs, srcs, dsts, name):
+        """permute in envelopes: a receiver reads the sender's head (kind, call number,
+        pairs, dtype, shape) before its payload; a disagreement is a CommError on every
+        rank that receives."""
+        me = group.index
+        head = _envelope.head_of("permute", seq, zlib.crc32(repr(tuple(pairs)).encode()),
+                                 xc.shape, xc.dtype, name)
+        src = srcs[0] if srcs and srcs[0] != me else None
+        f = self._start(group, rec, seq, name, [(d, head, xc) for d in dsts],
+                        [] if src is None else [src], xc.device)
+        if src is not None:
+            try:
+                _envelope.check_from(f.heads()[src], head, group.ranks[src], group, name)
+            except CommError:
+                f.drain()
+                raise
+        got = f.finish()
+        if not srcs:
+            return None
+        return xc.clone() if src is None else got[src]
 
     def broadcast(self, x, src, group, *, name):
         count("broadcast", name, group, x=x, src=src)
@@ -564,6 +664,9 @@ class TorchComm(_ProcessGroups, _Validation):
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "barrier", 0, [], name)
+        if self._checked(self.mesh.device):
+            self._envelopes(group, rec, seq, name, "barrier", 0, None)
+            return
         if self._zero is None:
             self._zero = torch.zeros(1, device=self.mesh.device)
         self._call(dist.all_reduce, name, group, rec, seq, self._zero)  # stays zero
