@@ -181,21 +181,22 @@ def check_from(head: list[int], mine: list[int], src: int, group: Group, name: s
 
 
 class Rows:
-    """The buffers of a gathered call (a small reduction, a barrier), made once per kind
-    of call and reused: one envelope per member, in member order, this rank's among them
-    (only the call number and the payload change from call to call); views of the heads
-    and payloads; and the heads expected (this rank's, n times: a view of its own
-    envelope, so the call number written into it is expected too)."""
+    """The buffers of a gathered call (a small reduction, a barrier, a small all_gather),
+    made once per kind of call and reused: the envelope this rank sends (only the call
+    number and the payload change from call to call), one per member as they arrive, in
+    process-group order, views of their heads and payloads, and the heads expected
+    (this rank's, n times: a view of its own envelope, so the call number written into
+    it is expected too)."""
 
-    __slots__ = ("rows", "env", "seq", "payload", "heads", "expect", "vals")
+    __slots__ = ("env", "rows", "out", "seq", "payload", "heads", "expect", "vals")
 
-    def __init__(self, kind: str, extra: int, shape, dtype: torch.dtype, n: int, me: int,
-                 name: str, device):
+    def __init__(self, kind: str, extra: int, shape, dtype: torch.dtype, n: int, name: str,
+                 device):
         head = head_of(kind, 0, extra, shape, dtype, name)
         nb = head[NBYTES]
-        self.rows = torch.zeros(n, SIZE, dtype=torch.uint8, device=device)
-        self.env = self.rows[me]
-        self.env.copy_(pack(head, None, device))
+        self.env = pack(head, None, device)
+        self.out = torch.zeros(n * SIZE, dtype=torch.uint8, device=device)
+        self.rows = self.out.view(n, SIZE)
         self.seq = self.env[:HEAD].view(torch.int64)[SEQ:SEQ + 1]
         self.payload = self.env[HEAD:HEAD + nb]
         self.heads = self.rows[:, :HEAD]

@@ -124,10 +124,19 @@ class _ProcessGroups:
                 peers = [r for r in group.ranks if r != group.rank]
             # Ranks that arrived later time out later: give them a moment to mark.
             grace = min(5.0, max(1.0, 0.1 * self.mesh.timeout))
-            missing = self._progress.missing(rec.key, seq, peers, grace)
+            missing, elsewhere = self._progress.missing(rec.key, seq, peers, grace, name,
+                                                         self.mesh.timeout + 2 * grace + 5)
             who = (f"ranks {list(missing)} of the group {list(group.ranks)} did not arrive"
-                   if missing else f"could not tell which ranks of the group "
-                   f"{list(group.ranks)} did not arrive")
+                   if missing else "")
+            if elsewhere:
+                who += ("; " if who else "") + "; ".join(
+                    f"rank {r} is waiting in {w} instead" for r, w in sorted(elsewhere.items()))
+                who += (": the ranks do not run the same collectives in the same order "
+                        "(e.g. an argument such as out_specs, or requires_grad, that "
+                        "differs from rank to rank)")
+            if not who:
+                who = (f"could not tell which ranks of the group {list(group.ranks)} did "
+                       f"not arrive")
             return CommTimeout(f"{where} timed out after {self.mesh.timeout:g} s on rank "
                                f"{group.rank}: {who}", op=name, axes=group.axes, missing=missing)
         if "closed" in low or "reset" in low or "abort" in low:
@@ -135,7 +144,7 @@ class _ProcessGroups:
             # say which, as for a timeout.
             if peers is None:
                 peers = [r for r in group.ranks if r != group.rank]
-            missing = self._progress.missing(rec.key, seq, peers, 0.3)  # the others fail now too
+            missing, _ = self._progress.missing(rec.key, seq, peers, 0.3, name)  # the others fail now too
             who = f"; ranks {list(missing)} never reached it" if missing else ""
             return CommAborted(f"{where} failed on rank {group.rank} (group "
                                f"{list(group.ranks)}): {msg}{who}", op=name, axes=group.axes,
@@ -186,18 +195,33 @@ class _Progress:
                                         timeout=datetime.timedelta(seconds=5))
         return self._store
 
-    def missing(self, key: int, seq: int, peers, grace: float) -> tuple[int, ...]:
-        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown),
-        after ``grace`` seconds for the others to mark."""
+    def missing(self, key: int, seq: int, peers, grace: float, what: str = "",
+                max_age: float = 0.0) -> tuple[tuple[int, ...], dict[int, str]]:
+        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown), after
+        ``grace`` seconds for the others to mark; and the peers that are waiting in
+        another call of this group (timing out as well, at most ``max_age`` seconds ago),
+        with that call: ``what`` (this rank's op) and the call number are published for
+        them to read."""
         try:
             store = self._connect()
             if store is None:
-                return ()
+                return (), {}
             store.set(f"spmd/arrived/{key}/{seq}/{self.rank}", "1")
+            store.set(f"spmd/in/{key}/{self.rank}", f"{what}\n{seq}\n{time.time()}")
             time.sleep(grace)
-            return tuple(r for r in peers if not store.check([f"spmd/arrived/{key}/{seq}/{r}"]))
+            missing = tuple(r for r in peers
+                            if not store.check([f"spmd/arrived/{key}/{seq}/{r}"]))
+            elsewhere = {}
+            for r in peers:
+                if store.check([f"spmd/in/{key}/{r}"]):
+                    op, s, when = store.get(f"spmd/in/{key}/{r}").decode().split("\n")
+                    # older than ``max_age``: a record of an earlier timeout (the store
+                    # outlives a run), not of this one
+                    if (op, int(s)) != (what, seq) and time.time() - float(when) < max_age:
+                        elsewhere[r] = f"{op} (call #{s} on this group)"
+            return missing, elsewhere
         except Exception:  # noqa: BLE001 - best effort: then the message says "could not tell"
-            return ()
+            return (), {}
 
 
 def _rank_or(default: int) -> int:

@@ -5,23 +5,47 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 - One process group per group of ranks, built on ``init_device_mesh`` for single axes
   (``dist.new_group`` for tuples of axes, all groups of the partition created at first
   use, in one order on every rank). A group on another channel (``Group.channel``) gets
-  process groups of its own, created by ``open`` at the same point on every rank. A ``Group`` lists its members in the order of the
-  axes' linearised index (first axis major); a process group orders them by global rank.
+  process groups of its own, created by ``open`` at the same point on every rank. A
+  ``Group`` lists its members in the order of the axes' linearised index (first axis
+  major); a process group orders them by global rank.
   Each group keeps both maps (``pg_of``: member index -> process-group rank, ``idx_of``:
   the inverse), and every result list is put back in ``Group`` order.
-- Uneven sizes: data moves as bytes, padded to the largest member and trimmed (gloo
-  refuses, or aborts the process on, size mismatches). Metadata (shapes, dtypes, byte
-  counts) travels as int64 tensors, never pickled objects.
+- Uneven sizes: data moves as bytes. Metadata (shapes, dtypes, byte counts) travels as
+  int64 tensors, never pickled objects.
 - Every wait is bounded by ``mesh.timeout``; a timeout becomes ``CommTimeout`` naming the
   op, the axes, the rank and, where the job's store can tell (the ranks that did arrive
-  mark it there on timing out), the ranks that did not arrive. After a
-  timeout the process group is unusable (the transfer is still pending): tear it down.
-- ``SPMD_VALIDATE=1`` (or ``comm.validate = True``) compares op, arguments, dtypes and
-  shapes across ranks before each collective, at the cost of one more small collective,
-  and raises the same ``CommError`` on every rank instead of hanging or aborting.
-  Without it, reductions of CPU tensors still carry a small header (``_header.py``)
-  that makes every rank raise when ranks differ in op, dtype or shape, in the same
-  round trip; ``SPMD_VALIDATE=0`` turns that off as well.
+  mark it there on timing out), the ranks that did not arrive, and the call each rank
+  that is waiting elsewhere on the group waits in. After a timeout the process group is
+  unusable (the transfer is still pending): tear it down.
+
+What the ranks must agree on is checked with default settings, in the messages that
+carry the data (no extra round trip), for CPU tensors:
+
+- all_gather, all_to_all, permute, all_reduce of at most 512 bytes, barrier: an
+  envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
+  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. They
+  go point to point, envelope first, and a payload larger than the envelope is received
+  only once its envelope said how large it is: ranks that disagree about anything,
+  element counts included, raise a ``CommError`` naming the op, the ranks and what
+  differs, instead of reading garbage or gloo aborting the process. Every rank raises
+  (a permute: every rank that receives). Small reductions are reduced locally from
+  every member's envelope, in member order: bitwise equal on every rank.
+- all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
+  reduced along with the data (``_header.py``): op, dtype and shape differences raise
+  on every rank.
+- scatter: each receiver first gets the metadata row of what it is sent.
+
+Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
+dtypes and shapes across the group before every collective, at the cost of one more
+small collective (a round trip): element counts of the ring reductions (all_reduce
+above 512 bytes, reduce_scatter: gloo aborts the process where they differ, and only an
+exchange before the data could prevent it), ``all_reduce_async`` (GradSync's buckets,
+reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
+only sends, and accelerator tensors (reading a fingerprint back there would synchronise
+the host with the device on every call). Calls that use different transports (a ring
+reduction against an envelope) never meet: both time out, each naming the call the
+other waits in. ``SPMD_VALIDATE=0`` turns every check off (the collectives of before).
+
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
   ones staged piece by piece) and sends nothing to itself; receivers receive straight
@@ -32,8 +56,10 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
 
 This module holds the collectives; ``_groups.py`` the process groups and bounded waits,
-``_meta.py`` the metadata rows and their errors, ``_validate.py`` the ``SPMD_VALIDATE``
-round trips, ``_header.py`` the reductions' header and ``_work.py`` the async handle.
+``_meta.py`` the metadata rows and their errors, ``_envelope.py`` the fingerprint and
+``_p2p.py`` the point-to-point transfers in envelopes, ``_header.py`` the ring
+reductions' header, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
+the async handle.
 """
 from __future__ import annotations
 
@@ -82,8 +108,8 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
 
     Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
     covering the mesh. Per-call cost over raw torch.distributed: one copy of the input
-    (never modified in place) and a dict lookup; no extra collective on the
-    all_reduce/reduce_scatter/broadcast/permute paths unless validation is on.
+    (never modified in place), a dict lookup and the fingerprint's envelope or header
+    (see the module docstring); no extra collective unless validation is on.
     """
 
     def __init__(self, mesh: Mesh):
@@ -176,33 +202,21 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
                    else vals.amax(0) if op == "max" else vals.amin(0))
         return red.view(x.shape)  # a new tensor: the buffers serve the next call
 
-    def _envelopes(self, group, rec, seq, name, kind, extra, x) -> Rows:
-        """Every member's envelope of ``x`` (None: no payload), point to point (so that
-        it meets the other checked calls' envelopes, whatever their kind), checked:
-        the rows, in member order."""
+    def _envelopes(self, group, rec, seq, name, kind, extra, x, **check) -> Rows:
+        """Every member's envelope of ``x`` (None: no payload), in one all_gather,
+        checked (``check``: ``check_all``'s options): the rows, in process-group order.
+        A collective, not point to point: on a loaded machine each point-to-point wait
+        can cost a scheduler's time slice (milliseconds), a collective's far less."""
         shape, dtype = (tuple(x.shape), x.dtype) if x is not None else ((), torch.uint8)
         device = x.device if x is not None else self.mesh.device
-        me, n = group.index, group.size
         g = self._rows(kind, extra, shape, dtype, group, name, device)
         g.seq.fill_(seq)
         if x is not None:
             g.payload.copy_(_bytes(x.detach().contiguous()))
-        pg, ranks, tag = rec.pg, group.ranks, _envelope.tag_of(seq)
-        works = []
-        try:
-            for i in range(n):
-                if i != me:
-                    works.append(dist.irecv(g.rows[i], ranks[i], group=pg, tag=tag))
-            for i in range(n):
-                if i != me:
-                    works.append(dist.isend(g.env, ranks[i], group=pg, tag=tag))
-        except RuntimeError as e:
-            raise self._failure(e, name, group, rec, seq) from e
-        deadline = time.monotonic() + self.mesh.timeout
-        for w in works:
-            self._wait(w, name, group, rec, seq, None, deadline)
+        self._call(_all_gather_single, name, group, rec, seq, g.out, g.env)
         if not torch.equal(g.heads, g.expect):
-            _envelope.check_all(_envelope.heads_of(g.heads), group, name)
+            heads = _envelope.heads_of(g.heads)
+            _envelope.check_all([heads[p] for p in rec.pg_of], group, name, **check)
         return g
 
     def _rows(self, kind, extra, shape, dtype, group, name, device) -> Rows:
@@ -216,8 +230,7 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         if g is None:
             if len(cache) >= 256:  # a program of many small shapes: start over
                 cache.clear()
-            g = cache[key] = Rows(kind, extra, shape, dtype, group.size, group.index, name,
-                                  device)
+            g = cache[key] = Rows(kind, extra, shape, dtype, group.size, name, device)
         return g
 
     def _header(self, op, dtype, shapes, n, device):
@@ -265,6 +278,19 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         rec = self._rec(group)
         seq = self._enter(rec)
         if self._checked(x.device) and x.ndim <= _MAXDIM:
+            if x.numel() * x.element_size() <= _envelope.INLINE:
+                g = self._envelopes(group, rec, seq, name, "all_gather", d, x, skip_dim=d,
+                                    sizes=sizes)
+                heads = _envelope.heads_of(g.heads) if not torch.equal(g.heads, g.expect) \
+                    else None
+                if heads is None and sizes is not None and set(sizes) != {x.shape[d]}:
+                    heads = _envelope.heads_of(g.heads)  # every rank holds the same: raises
+                    _envelope.check_all(heads, group, name, skip_dim=d, sizes=sizes)
+                if heads is not None:  # uneven: each as its head says
+                    return [_envelope.payload_of(g.rows[p], heads[p]).clone()
+                            for p in rec.pg_of]
+                vals = g.vals.view(torch.bool) if x.dtype == torch.bool else g.vals
+                return [vals[p].view(x.shape).clone() for p in rec.pg_of]
             return self._all_gather_p2p(x, group, rec, seq, d, sizes, name)
         if self.validate or sizes is None:
             if self.validate:
@@ -376,8 +402,11 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         return self._all_to_all(chunks, group, name, shapes, wait=True)
 
     def all_to_all_async(self, chunks, group, *, name, shapes=None):
-        # Only the data transfer is in flight; a metadata exchange (no shapes, or
-        # validation) is made first, blocking. The chunks are copied before the start.
+        # Only the data transfer is in flight. Checked (CPU): envelopes, no metadata
+        # exchange; chunks larger than an envelope are sent from the caller's tensors
+        # (contiguous ones in place), which must not change until the wait (base.py).
+        # Otherwise a metadata exchange (no shapes, or validation) is made first,
+        # blocking, and the chunks are copied before the start.
         return self._all_to_all(chunks, group, name, shapes, wait=False)
 
     def _all_to_all(self, chunks, group, name, shapes, wait):
