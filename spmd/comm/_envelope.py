@@ -12,16 +12,22 @@ Every first message of a checked collective is one envelope, of the same size fo
 kind of call, so that ranks that disagree about anything still exchange messages of equal
 size, and read each other's heads:
 
-- all_reduce of at most ``INLINE`` bytes, barrier: one all_gather of envelopes (the
-  payload inline), reduced locally in member order (bitwise equal on every rank).
-- all_gather, all_to_all, permute: point to point, tagged with the call number. A sender
-  sends each receiver its envelope (the payload inline where it fits) and, where it does
-  not fit, the payload right after it. A receiver receives the envelope first and only
-  then the payload, of the size the envelope announced: a rank never posts a receive of
-  a size its peer did not send (gloo aborts the process on that). all_gather and
-  all_to_all ranks receive from every other member, so every rank reads every head: the
-  same error everywhere. A permute's error is raised by the ranks that receive (those
-  that would have received garbage); a rank that only sends does not hear of it.
+- all_reduce of at most ``INLINE`` bytes, barrier, all_gather of at most ``INLINE``
+  bytes: one all_gather of envelopes (the payload inline); a reduction is reduced
+  locally in process-group order (bitwise equal on every rank).
+- all_gather of more, all_to_all, permute: point to point, tagged with the call number
+  (calls in flight together never match each other's messages). A sender sends each
+  receiver its envelope (the payload inline where it fits) and, where it does not fit,
+  the payload right after it. A receiver receives the envelope first and only then the
+  payload, of the size the envelope announced: a rank never posts a receive of a size
+  its peer did not send (gloo aborts the process on that). all_gather and all_to_all
+  ranks receive from every other member, so every rank reads every head: every rank
+  raises. A permute's error is raised by the ranks that receive (those that would have
+  received garbage); a rank that only sends does not hear of it.
+
+Calls of different transports (an all_gather of envelopes against a point-to-point one,
+or against a ring reduction of ``_header.py``) never meet: they time out, and the
+timeout names the call each other rank waits in (``_groups.py``).
 
 No extra round trip: the head travels in the message that would carry the data anyway
 (the payload of a large transfer follows its envelope without waiting for an answer).
@@ -198,6 +204,7 @@ class Rows:
         self.out = torch.zeros(n * SIZE, dtype=torch.uint8, device=device)
         self.rows = self.out.view(n, SIZE)
         self.seq = self.env[:HEAD].view(torch.int64)[SEQ:SEQ + 1]
+        nb = nb if nb <= INLINE else 0  # a larger payload is not inline (see all_gather)
         self.payload = self.env[HEAD:HEAD + nb]
         self.heads = self.rows[:, :HEAD]
         self.expect = self.env[:HEAD].expand(n, -1)

@@ -144,7 +144,8 @@ class _ProcessGroups:
             # say which, as for a timeout.
             if peers is None:
                 peers = [r for r in group.ranks if r != group.rank]
-            missing, _ = self._progress.missing(rec.key, seq, peers, 0.3, name)  # the others fail now too
+            # the others fail now too: a short grace
+            missing, _ = self._progress.missing(rec.key, seq, peers, 0.3, name)
             who = f"; ranks {list(missing)} never reached it" if missing else ""
             return CommAborted(f"{where} failed on rank {group.rank} (group "
                                f"{list(group.ranks)}): {msg}{who}", op=name, axes=group.axes,

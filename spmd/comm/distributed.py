@@ -23,29 +23,18 @@ carry the data (no extra round trip), for CPU tensors:
 
 - all_gather, all_to_all, permute, all_reduce of at most 512 bytes, barrier: an
   envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
-  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. They
-  go point to point, envelope first, and a payload larger than the envelope is received
-  only once its envelope said how large it is: ranks that disagree about anything,
-  element counts included, raise a ``CommError`` naming the op, the ranks and what
-  differs, instead of reading garbage or gloo aborting the process. Every rank raises
-  (a permute: every rank that receives). Small reductions are reduced locally from
-  every member's envelope, in member order: bitwise equal on every rank.
+  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. Small
+  ones (at most 512 bytes: reductions, barriers, all_gathers) are one all_gather of
+  envelopes, the payload inline; larger all_gathers, all_to_alls and permutes go point
+  to point, envelope first, and a payload larger than the envelope is received only once
+  its envelope said how large it is. Ranks that disagree about anything, element counts
+  included, raise a ``CommError`` naming the op, the ranks and what differs, instead of
+  reading garbage or gloo aborting the process. Every rank raises (a permute: every rank
+  that receives). Small reductions are reduced locally from every member's envelope,
+  in process-group order: bitwise equal on every rank.
 - all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
   reduced along with the data (``_header.py``): op, dtype and shape differences raise
   on every rank.
-- scatter: each receiver first gets the metadata row of what it is sent.
-
-Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
-dtypes and shapes across the group before every collective, at the cost of one more
-small collective (a round trip): element counts of the ring reductions (all_reduce
-above 512 bytes, reduce_scatter: gloo aborts the process where they differ, and only an
-exchange before the data could prevent it), ``all_reduce_async`` (GradSync's buckets,
-reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
-only sends, and accelerator tensors (reading a fingerprint back there would synchronise
-the host with the device on every call). Calls that use different transports (a ring
-reduction against an envelope) never meet: both time out, each naming the call the
-other waits in. ``SPMD_VALIDATE=0`` turns every check off (the collectives of before).
-
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
   ones staged piece by piece) and sends nothing to itself; receivers receive straight
@@ -54,6 +43,18 @@ other waits in. ``SPMD_VALIDATE=0`` turns every check off (the collectives of be
 - The caller's tensors are never modified; results are new tensors (results of one
   ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
   ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
+
+Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
+dtypes and shapes across the group before every collective, at the cost of one more
+small collective (a round trip): element counts of the ring reductions (all_reduce
+above 512 bytes, reduce_scatter: gloo aborts the process where they differ, and only an
+exchange before the data could prevent it), ``all_reduce_async`` (GradSync's buckets,
+reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
+only sends, and accelerator tensors (reading a fingerprint back there would synchronise
+the host with the device on every call). Calls that use different transports (an
+all_gather of envelopes, point-to-point envelopes, a ring reduction) never meet: they
+time out, each naming the call the other waits in. ``SPMD_VALIDATE=0`` turns every
+check off (the bare collectives).
 
 This module holds the collectives; ``_groups.py`` the process groups and bounded waits,
 ``_meta.py`` the metadata rows and their errors, ``_envelope.py`` the fingerprint and
@@ -210,9 +211,18 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         shape, dtype = (tuple(x.shape), x.dtype) if x is not None else ((), torch.uint8)
         device = x.device if x is not None else self.mesh.device
         g = self._rows(kind, extra, shape, dtype, group, name, device)
-        g.seq.fill_(seq)
-        if x is not None:
-            g.payload.copy_(_bytes(x.detach().contiguous()))
+        for fresh in (False, True):
+            if fresh:  # under a torch.func transform, which refuses writes into tensors
+                # made outside it: buffers of this call's own
+                g = Rows(kind, extra, shape, dtype, group.size, name, device)
+            try:
+                g.seq.fill_(seq)
+                if x is not None and x.numel() * x.element_size() <= _envelope.INLINE:
+                    g.payload.copy_(_bytes(x.detach().contiguous()))
+                break
+            except RuntimeError:
+                if fresh:
+                    raise
         self._call(_all_gather_single, name, group, rec, seq, g.out, g.env)
         if not torch.equal(g.heads, g.expect):
             heads = _envelope.heads_of(g.heads)
@@ -278,19 +288,13 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         rec = self._rec(group)
         seq = self._enter(rec)
         if self._checked(x.device) and x.ndim <= _MAXDIM:
-            if x.numel() * x.element_size() <= _envelope.INLINE:
-                g = self._envelopes(group, rec, seq, name, "all_gather", d, x, skip_dim=d,
-                                    sizes=sizes)
-                heads = _envelope.heads_of(g.heads) if not torch.equal(g.heads, g.expect) \
-                    else None
-                if heads is None and sizes is not None and set(sizes) != {x.shape[d]}:
-                    heads = _envelope.heads_of(g.heads)  # every rank holds the same: raises
-                    _envelope.check_all(heads, group, name, skip_dim=d, sizes=sizes)
-                if heads is not None:  # uneven: each as its head says
-                    return [_envelope.payload_of(g.rows[p], heads[p]).clone()
-                            for p in rec.pg_of]
-                vals = g.vals.view(torch.bool) if x.dtype == torch.bool else g.vals
-                return [vals[p].view(x.shape).clone() for p in rec.pg_of]
+            if sizes is None:
+                return self._all_gather_gathered(x, group, rec, seq, d, None, name)
+            # The transport is chosen from what the ranks agree on (sizes, the other dims,
+            # dtype), never from this rank's own size alone: every rank takes the same.
+            most = max(sizes) * _numel(x.shape[:d] + x.shape[d + 1:]) * x.element_size()
+            if most <= _envelope.INLINE:
+                return self._all_gather_gathered(x, group, rec, seq, d, sizes, name)
             return self._all_gather_p2p(x, group, rec, seq, d, sizes, name)
         if self.validate or sizes is None:
             if self.validate:
@@ -326,6 +330,34 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
             off = rec.pg_of[i] * m
             res.append(out[off:off + nbytes[i]].view(x.dtype).view(s))
         return res
+
+    def _all_gather_gathered(self, x, group, rec, seq, d, sizes, name):
+        """all_gather as one all_gather of envelopes, checked (kind, call number, dim,
+        dtype, shape, ``sizes``), payloads inline; where a member's payload did not fit
+        (sizes not known beforehand), a second all_gather of the payloads, padded to the
+        largest of the verified heads: every rank takes that second round alike."""
+        g = self._envelopes(group, rec, seq, name, "all_gather", d, x, skip_dim=d,
+                            sizes=sizes)
+        heads = None if torch.equal(g.heads, g.expect) else _envelope.heads_of(g.heads)
+        if heads is None and sizes is not None and set(sizes) != {x.shape[d]}:
+            heads = _envelope.heads_of(g.heads)  # every rank holds the same: raises
+            _envelope.check_all(heads, group, name, skip_dim=d, sizes=sizes)
+        nb = x.numel() * x.element_size()
+        if heads is None and nb <= _envelope.INLINE:  # even: every payload like this one
+            vals = g.vals.view(torch.bool) if x.dtype == torch.bool else g.vals
+            return [vals[p].view(x.shape).clone() for p in rec.pg_of]
+        if heads is None:
+            heads = _envelope.heads_of(g.heads)
+        most = max(h[_envelope.NBYTES] for h in heads)
+        if most <= _envelope.INLINE:
+            return [_envelope.payload_of(g.rows[p], heads[p]).clone() for p in rec.pg_of]
+        send = torch.zeros(most, dtype=torch.uint8, device=x.device)
+        send[:nb].copy_(_bytes(x.detach().contiguous()))
+        out = torch.empty(group.size * most, dtype=torch.uint8, device=x.device)
+        self._call(_all_gather_single, name, group, rec, seq, out, send)
+        rows = out.view(group.size, most)
+        return [_envelope.as_tensor(rows[p, :heads[p][_envelope.NBYTES]], heads[p])
+                for p in rec.pg_of]
 
     def _all_gather_p2p(self, x, group, rec, seq, d, sizes, name):
         """all_gather in envelopes (``_envelope.py``), point to point: every member reads
