@@ -45,7 +45,7 @@ class _Flight:
     def heads(self) -> dict[int, list[int]]:
         """member -> the head it sent (waits for the envelopes)."""
         if self._heads is None:
-            for env, w in self.recvs.values():
+            for _, w in self.recvs.values():
                 self._wait(w)
             if not self.recvs:
                 self._heads = {}
