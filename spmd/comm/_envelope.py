@@ -18,12 +18,17 @@ size, and read each other's heads:
 - all_gather of more, all_to_all, permute: point to point, tagged with the call number
   (calls in flight together never match each other's messages). A sender sends each
   receiver its envelope (the payload inline where it fits) and, where it does not fit,
-  the payload right after it. A receiver receives the envelope first and only then the
-  payload, of the size the envelope announced: a rank never posts a receive of a size
-  its peer did not send (gloo aborts the process on that). all_gather and all_to_all
-  ranks receive from every other member, so every rank reads every head: every rank
-  raises. A permute's error is raised by the ranks that receive (those that would have
-  received garbage); a rank that only sends does not hear of it.
+  the payload right after it. Where this rank's plan knows what arrives (all_gather with
+  ``sizes``, permute, all_to_all with ``shapes``) the payload's receive is posted with
+  the envelope's, sized by the plan (a receive posted after its envelope arrived is
+  gloo's slow path: milliseconds on a loaded machine): a payload smaller than planned
+  arrives and its envelope says so; a larger one makes gloo abort the process, which
+  only ``SPMD_VALIDATE=1`` prevents. Where the plan does not know (all_to_all without
+  ``shapes``), the payload is received after its envelope, of the size the envelope
+  announced: nothing can abort. all_gather and all_to_all ranks receive from every
+  other member, so every rank reads every head: every rank raises. A permute's error
+  is raised by the ranks that receive (those that would have received garbage); a rank
+  that only sends does not hear of it.
 
 Calls of different transports (an all_gather of envelopes against a point-to-point one,
 or against a ring reduction of ``_header.py``) never meet: they time out, and the

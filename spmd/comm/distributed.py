@@ -25,11 +25,14 @@ carry the data (no extra round trip), for CPU tensors:
   envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
   its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. Small
   ones (at most 512 bytes: reductions, barriers, all_gathers) are one all_gather of
-  envelopes, the payload inline; larger all_gathers, all_to_alls and permutes go point
-  to point, envelope first, and a payload larger than the envelope is received only once
-  its envelope said how large it is. Ranks that disagree about anything, element counts
-  included, raise a ``CommError`` naming the op, the ranks and what differs, instead of
-  reading garbage or gloo aborting the process. Every rank raises (a permute: every rank
+  envelopes, the payload inline (all_gather without ``sizes``: a second all_gather of
+  the payloads where one did not fit, sized from the checked envelopes); larger
+  all_gathers, all_to_alls and permutes go point to point, envelope first
+  (``_envelope.py`` says when the payload's receive is posted). Ranks that disagree
+  about anything, element counts included, raise a ``CommError`` naming the op, the
+  ranks and what differs, instead of reading garbage or gloo aborting the process; the
+  one exception: a point-to-point payload larger than the receiver's plan, where the
+  plan knows the size, still makes gloo abort. Every rank raises (a permute: every rank
   that receives). Small reductions are reduced locally from every member's envelope,
   in process-group order: bitwise equal on every rank.
 - all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
@@ -47,8 +50,9 @@ carry the data (no extra round trip), for CPU tensors:
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
 small collective (a round trip): element counts of the ring reductions (all_reduce
-above 512 bytes, reduce_scatter: gloo aborts the process where they differ, and only an
-exchange before the data could prevent it), ``all_reduce_async`` (GradSync's buckets,
+above 512 bytes, reduce_scatter) and point-to-point payloads larger than planned (gloo
+aborts the process where they differ, and only an exchange before the data could
+prevent it), ``all_reduce_async`` (GradSync's buckets,
 reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
@@ -368,8 +372,10 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         xc = x.detach().contiguous()
         head = _envelope.head_of("all_gather", seq, d, xc.shape, xc.dtype, name)
         others = [i for i in range(n) if i != me]
+        inner = _numel(xc.shape[:d] + xc.shape[d + 1:]) * xc.element_size()
+        expect = None if sizes is None else {i: sizes[i] * inner for i in others}
         f = self._start(group, rec, seq, name, [(i, head, xc) for i in others], others,
-                        x.device)
+                        x.device, expect)
         heads = f.heads()
         try:
             _envelope.check_all([heads[i] if i != me else head for i in range(n)], group,
@@ -509,8 +515,10 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
         send = [c.detach().contiguous() for c in chunks]
         heads = [_envelope.head_of("all_to_all", seq, 0, c.shape, c.dtype, name) for c in send]
         others = [i for i in range(n) if i != me]
+        expect = None if shapes is None else {
+            i: _numel(shapes[i]) * dtype.itemsize for i in others}
         f = self._start(group, rec, seq, name, [(i, heads[i], send[i]) for i in others], others,
-                        dev)
+                        dev, expect)
 
         def finish() -> list[torch.Tensor]:
             got, row = f.heads(), _envelope.ROW
@@ -686,7 +694,8 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange):
                                  xc.shape, xc.dtype, name)
         src = srcs[0] if srcs and srcs[0] != me else None
         f = self._start(group, rec, seq, name, [(d, head, xc) for d in dsts],
-                        [] if src is None else [src], xc.device)
+                        [] if src is None else [src], xc.device,
+                        None if src is None else {src: xc.numel() * xc.element_size()})
         if src is not None:
             try:
                 _envelope.check_from(f.heads()[src], head, group.ranks[src], group, name)
