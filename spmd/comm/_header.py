@@ -33,18 +33,19 @@ would erase). Shapes that differ only in a hash collision (one in 2**18) pass.
 
 What it cannot catch: ranks passing different element counts. Gloo aborts the process
 (SIGABRT, "Received data size doesn't match expected size") before any result exists,
-and only an exchange before the call could prevent that: ``SPMD_VALIDATE=1``.
+and only an exchange before the call could prevent that: ``SPMD_VALIDATE=1``. Nor the
+call's number on its group: ranks reach gloo's ring reductions in gloo's own order.
 
 It is used for CPU tensors without ``SPMD_VALIDATE`` (which checks all of it already):
 reading the header back on an accelerator would synchronise the host with the device
 on every call. ``SPMD_VALIDATE=0`` turns it off too. Reductions of at most 512 bytes
-do not use it: ``TorchComm._gathered`` sends them as one all_gather of [metadata |
-payload] rows and reduces locally, which checks everything, element counts included,
-and is cheaper than a ring all-reduce of a header and a few elements (about 0.3 ms
-against 0.5-0.7 ms per call at world 2 on a loaded 2-core machine). For larger ones
-the header costs ~16 us of local work; from 64 KiB on, it is within noise
+do not use it: they travel in envelopes (``_envelope.py``), point to point, and are
+reduced locally, which checks everything, element counts included, and is cheaper than
+a ring all-reduce of a header and a few elements. For larger ones the header costs
+~16 us of local work; from 64 KiB on, it is within noise
 (``benchmarks/collective_overhead.py``). Ranks whose payloads straddle 512 bytes
-differ in element count, which neither path can make into an error: gloo aborts.
+differ in element count and never meet (an envelope against a ring reduction): both
+time out, each naming the call the other waits in.
 """
 from __future__ import annotations
 

@@ -5,23 +5,39 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 - One process group per group of ranks, built on ``init_device_mesh`` for single axes
   (``dist.new_group`` for tuples of axes, all groups of the partition created at first
   use, in one order on every rank). A group on another channel (``Group.channel``) gets
-  process groups of its own, created by ``open`` at the same point on every rank. A ``Group`` lists its members in the order of the
-  axes' linearised index (first axis major); a process group orders them by global rank.
+  process groups of its own, created by ``open`` at the same point on every rank. A
+  ``Group`` lists its members in the order of the axes' linearised index (first axis
+  major); a process group orders them by global rank.
   Each group keeps both maps (``pg_of``: member index -> process-group rank, ``idx_of``:
   the inverse), and every result list is put back in ``Group`` order.
-- Uneven sizes: data moves as bytes, padded to the largest member and trimmed (gloo
-  refuses, or aborts the process on, size mismatches). Metadata (shapes, dtypes, byte
-  counts) travels as int64 tensors, never pickled objects.
+- Uneven sizes: data moves as bytes. Metadata (shapes, dtypes, byte counts) travels as
+  int64 tensors, never pickled objects.
 - Every wait is bounded by ``mesh.timeout``; a timeout becomes ``CommTimeout`` naming the
   op, the axes, the rank and, where the job's store can tell (the ranks that did arrive
-  mark it there on timing out), the ranks that did not arrive. After a
-  timeout the process group is unusable (the transfer is still pending): tear it down.
-- ``SPMD_VALIDATE=1`` (or ``comm.validate = True``) compares op, arguments, dtypes and
-  shapes across ranks before each collective, at the cost of one more small collective,
-  and raises the same ``CommError`` on every rank instead of hanging or aborting.
-  Without it, reductions of CPU tensors still carry a small header (``_header.py``)
-  that makes every rank raise when ranks differ in op, dtype or shape, in the same
-  round trip; ``SPMD_VALIDATE=0`` turns that off as well.
+  mark it there on timing out), the ranks that did not arrive, and the call each rank
+  that is waiting elsewhere on the group waits in. After a timeout the process group is
+  unusable (the transfer is still pending): tear it down.
+
+What the ranks must agree on is checked with default settings, in the messages that
+carry the data (no extra round trip), for CPU tensors:
+
+- all_gather, all_to_all, permute, all_reduce of at most 512 bytes, barrier: an
+  envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
+  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. Small
+  ones (at most 512 bytes: reductions, barriers, all_gathers) are one all_gather of
+  envelopes, the payload inline (all_gather without ``sizes``: a second all_gather of
+  the payloads where one did not fit, sized from the checked envelopes); larger
+  all_gathers, all_to_alls and permutes go point to point, envelope first
+  (``_envelope.py`` says when the payload's receive is posted). Ranks that disagree
+  about anything, element counts included, raise a ``CommError`` naming the op, the
+  ranks and what differs, instead of reading garbage or gloo aborting the process; the
+  one exception: a point-to-point payload larger than the receiver's plan, where the
+  plan knows the size, still makes gloo abort. Every rank raises (a permute: every rank
+  that receives). Small reductions are reduced locally from every member's envelope,
+  in process-group order: bitwise equal on every rank.
+- all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
+  reduced along with the data (``_header.py``): op, dtype and shape differences raise
+  on every rank.
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
   ones staged piece by piece) and sends nothing to itself; receivers receive straight
@@ -30,12 +46,31 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 - The caller's tensors are never modified; results are new tensors (results of one
   ``all_gather``/``all_to_all`` may share one receive buffer). The one exception is
   ``all_reduce_async``, which reduces a flat buffer in place (GradSync's buckets).
+
+Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
+dtypes and shapes across the group before every collective, at the cost of one more
+small collective (a round trip): element counts of the ring reductions (all_reduce
+above 512 bytes, reduce_scatter) and point-to-point payloads larger than planned (gloo
+aborts the process where they differ, and only an exchange before the data could
+prevent it), ``all_reduce_async`` (GradSync's buckets,
+reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
+only sends, and accelerator tensors (reading a fingerprint back there would synchronise
+the host with the device on every call). Calls that use different transports (an
+all_gather of envelopes, point-to-point envelopes, a ring reduction) never meet: they
+time out, each naming the call the other waits in. ``SPMD_VALIDATE=0`` turns every
+check off (the bare collectives).
+
+This module holds the collectives; ``_groups.py`` the process groups and bounded waits,
+``_meta.py`` the metadata rows and their errors, ``_envelope.py`` the fingerprint,
+``_checked.py`` the collectives' paths in envelopes and ``_p2p.py`` their
+point-to-point transfers, ``_header.py`` the ring
+reductions' header, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
+the async handle.
 """
 from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import itertools
 import math
 import os
@@ -47,30 +82,23 @@ import torch
 import torch.distributed as dist
 
 from ..core._format import shape_str
-from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
+from ..core.errors import CommError, SpecError
 from ..core.mesh import Group, Mesh
-from . import _header
+from . import _envelope, _header
+from ._checked import _Checked
+from ._groups import _PG, _ProcessGroups, _Progress
 from ._header import wire_op
-from .base import REDUCE_OPS, Pending, check_scatter
+from ._meta import (_DCODE, _DTYPES, _MAXDIM, _ROP_CODE, _ROPS, _ROW,
+                    _all_gather_single, _axes, _bytes, _check_rows, _copy, _dtype,
+                    _mismatch, _norm_dim, _numel, _piece_bytes, _plans_disagree,
+                    _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible)
+from ._p2p import _Exchange
+from ._validate import _Validation
+from ._work import _TorchWork
+from .base import Pending, check_scatter
 from .stats import count
 
 __all__ = ["TorchComm"]
-
-_MAXDIM = 16
-_ROW = 3 + _MAXDIM  # dtype code, ndim, numel, shape padded with -1
-_OPCODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
-            "permute": 5, "broadcast": 6, "barrier": 7, "scatter": 8}
-_OPNAMES = {v: k for k, v in _OPCODES.items()}
-# Every dtype torch knows, in a fixed order: the same codes in every process.
-_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-_DCODE = {d: i for i, d in enumerate(_DTYPES)}
-_ROPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-_ROP_CODE = {op: i for i, op in enumerate(REDUCE_OPS)}
-# Reductions of at most _SMALL bytes go as one all_gather of fixed-size rows
-# (TorchComm._gathered): [op code + metadata row as int64 | payload bytes].
-_SMALL = 512
-_GMETA = 8 * (1 + _ROW)
-_GROW = _GMETA + _SMALL  # both multiples of 16: payloads are aligned for every dtype
 
 # scatter sends every chunk in pieces of at most _PIECE bytes (a plan both sides derive
 # from the shape), strided ones copied through _STAGES staging buffers (a piece's copy
@@ -80,32 +108,14 @@ _GROW = _GMETA + _SMALL  # both multiples of 16: payloads are aligned for every 
 _PIECE = 4 << 20
 _STAGES = 2
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-
-class _PG:
-    """A group's process group and the maps between member index and its ranks."""
-
-    __slots__ = ("pg", "pg_of", "idx_of", "key")
-
-    def __init__(self, pg, pg_of: tuple[int, ...], key: int):
-        self.pg = pg
-        self.pg_of = pg_of  # member index -> process-group rank
-        idx = [0] * len(pg_of)
-        for i, p in enumerate(pg_of):
-            idx[p] = i
-        self.idx_of = tuple(idx)  # process-group rank -> member index
-        self.key = key  # the same on every member: names the group in progress counts
-
-
-class TorchComm:
+class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
     """The comm protocol (``spmd/comm/base.py``) on torch.distributed.
 
     Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
     covering the mesh. Per-call cost over raw torch.distributed: one copy of the input
-    (never modified in place) and a dict lookup; no extra collective on the
-    all_reduce/reduce_scatter/broadcast/permute paths unless validation is on.
+    (never modified in place), a dict lookup and the fingerprint's envelope or header
+    (see the module docstring); no extra collective unless validation is on.
     """
 
     def __init__(self, mesh: Mesh):
@@ -122,106 +132,6 @@ class TorchComm:
         self._progress = _Progress.get()
         self._local = threading.local()  # per-thread scratch buffers (``_rows``)
 
-    # -- process groups -----------------------------------------------------------
-
-    @property
-    def device_mesh(self):
-        """The ``torch.distributed.device_mesh.DeviceMesh`` of this mesh (built on first use)."""
-        if self._dm is None:
-            from torch.distributed.device_mesh import init_device_mesh
-            self._dm = init_device_mesh(self.mesh.device.type, self.mesh.shape,
-                                        mesh_dim_names=self.mesh.axis_names)
-        return self._dm
-
-    def process_group(self, group: Group):
-        """The torch ProcessGroup of ``group`` (created on first use, on every rank)."""
-        return self._rec(group).pg
-
-    def open(self, group: Group) -> None:
-        self._rec(group)
-
-    def _rec(self, group: Group) -> _PG:
-        rec = self._recs.get(group)
-        if rec is None:
-            pg = self._make_pg(group)
-            pg_of = tuple(dist.get_group_rank(pg, r) for r in group.ranks)
-            m = self.mesh
-            key = zlib.crc32(repr((m.shape, m.axis_names, group.axes, group.ranks,
-                                   group.channel)).encode())
-            rec = self._recs[group] = _PG(pg, pg_of, key)
-        return rec
-
-    def _make_pg(self, group: Group):
-        axes, mesh = group.axes, self.mesh
-        if not group.channel:
-            if len(axes) == 1:
-                return self.device_mesh.get_group(axes[0])
-            if len(set(axes)) == len(mesh.axis_names):
-                return dist.group.WORLD
-        # Another channel gets process groups of its own, so that its collectives never
-        # queue behind (or meet) the default channel's.
-        key = (frozenset(axes), group.channel)
-        pgs = self._pgs.get(key)
-        if pgs is None:
-            # new_group is collective over the whole world: every rank creates every
-            # group of the partition, in the same (sorted) order.
-            parts = sorted({tuple(sorted(mesh.group(axes, r).ranks)) for r in range(mesh.size)})
-            pgs = self._pgs[key] = {p: dist.new_group(list(p)) for p in parts}
-        return pgs[tuple(sorted(group.ranks))]
-
-    # -- waiting --------------------------------------------------------------------
-
-    def _enter(self, rec: _PG) -> int:
-        counts = self._progress.counts
-        seq = counts.get(rec.key, 0)
-        counts[rec.key] = seq + 1
-        return seq
-
-    def _wait(self, work, name: str, group: Group, rec: _PG, seq: int, peers=None,
-              deadline: float | None = None) -> None:
-        td = self._td if deadline is None else datetime.timedelta(
-            seconds=max(deadline - time.monotonic(), 0.001))
-        try:
-            work.wait(timeout=td)
-        except RuntimeError as e:
-            raise self._failure(e, name, group, rec, seq, peers) from e
-
-    def _call(self, fn, name, group, rec, seq, *args, **kw) -> None:
-        """Run a collective with ``async_op=True`` and wait for it, bounded by the timeout."""
-        try:
-            work = fn(*args, group=rec.pg, async_op=True, **kw)
-        except RuntimeError as e:
-            raise self._failure(e, name, group, rec, seq) from e
-        self._wait(work, name, group, rec, seq)
-
-    def _failure(self, e: BaseException, name: str, group: Group, rec: _PG, seq: int,
-                 peers=None) -> CommError:
-        msg = str(e)
-        where = f"{name} over {_axes(group)}"
-        low = msg.lower()
-        if "timed out" in low or "timeout" in low:
-            if peers is None:
-                peers = [r for r in group.ranks if r != group.rank]
-            # Ranks that arrived later time out later: give them a moment to mark.
-            grace = min(5.0, max(1.0, 0.1 * self.mesh.timeout))
-            missing = self._progress.missing(rec.key, seq, peers, grace)
-            who = (f"ranks {list(missing)} of the group {list(group.ranks)} did not arrive"
-                   if missing else f"could not tell which ranks of the group "
-                   f"{list(group.ranks)} did not arrive")
-            return CommTimeout(f"{where} timed out after {self.mesh.timeout:g} s on rank "
-                               f"{group.rank}: {who}", op=name, axes=group.axes, missing=missing)
-        if "closed" in low or "reset" in low or "abort" in low:
-            # A peer's process died (or aborted): the ranks that never reached this call
-            # say which, as for a timeout.
-            if peers is None:
-                peers = [r for r in group.ranks if r != group.rank]
-            missing = self._progress.missing(rec.key, seq, peers, 0.3)  # the others fail now too
-            who = f"; ranks {list(missing)} never reached it" if missing else ""
-            return CommAborted(f"{where} failed on rank {group.rank} (group "
-                               f"{list(group.ranks)}): {msg}{who}", op=name, axes=group.axes,
-                               missing=missing)
-        return CommError(f"{where} failed on rank {group.rank} (group {list(group.ranks)}): "
-                         f"{msg}", op=name, axes=group.axes)
 
     # -- the protocol -------------------------------------------------------------------
 
@@ -234,7 +144,7 @@ class TorchComm:
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
-        if (self._checked(x.device) and x.numel() * x.element_size() <= _SMALL
+        if (self._checked(x.device) and x.numel() * x.element_size() <= _envelope.INLINE
                 and x.ndim <= _MAXDIM):
             return self._gathered(x, op, group, rec, seq, name)
         head = self._header(op, x.dtype, tuple(x.shape), group.size, x.device)
@@ -282,49 +192,6 @@ class TorchComm:
         checked it all already, and not under SPMD_VALIDATE=0."""
         return not self.validate and self.checks and device.type == "cpu"
 
-    def _gathered(self, x, op, group, rec, seq, name):
-        """A small reduction as one all_gather of every member's [op, dtype, shape |
-        payload] row, reduced locally: gloo's ring all-reduce of a header and a few
-        elements takes twice the steps of an all-gather, so this is the cheap way to
-        check everything (shape included) in the same round trip. Every member reduces
-        the same rows in the same order, so the result is bitwise equal on all of them;
-        NaN wins (amax/amin) with no second round."""
-        g = self._rows(x, op, group.size, name)
-        g.payload.copy_(_bytes(x.detach().contiguous()))
-        self._call(_all_gather_single, name, group, rec, seq, g.out, g.row)
-        if not torch.equal(g.metas, g.expect):
-            metas = g.metas.contiguous().view(torch.int64).tolist()
-            metas = [metas[p] for p in rec.pg_of]
-            for i, m in enumerate(metas):
-                if m[0] != metas[0][0]:
-                    label, a, b = _extra("all_reduce", metas[0][0], m[0])
-                    raise CommError(f"{name} over {_axes(group)}: rank {group.ranks[0]} passed "
-                                    f"{label} {a} but rank {group.ranks[i]} passed {label} {b}; "
-                                    f"every rank must pass the same {label}",
-                                    op=name, axes=group.axes)
-            _check_rows([m[1:] for m in metas], group, name)
-        vals = g.vals
-        if x.dtype == torch.bool:
-            red = vals.bool().all(0) if op == "min" else vals.bool().any(0)
-        else:
-            red = (vals.sum(0, dtype=x.dtype) if op == "sum"
-                   else vals.amax(0) if op == "max" else vals.amin(0))
-        return red.view(x.shape)  # a new tensor: the buffers serve the next call
-
-    def _rows(self, x: torch.Tensor, op: str, n: int, name: str) -> _Rows:
-        """The send row and receive buffer of a gathered reduction of ``x``, made once
-        per (op, dtype, shape, group size, device) and thread: each call then copies its
-        payload in and reduces out of them (on a slow CPU each torch call saved is
-        several microseconds of a call that costs a few hundred)."""
-        cache = self._local.__dict__.setdefault("rows", {})
-        key = (op, x.dtype, tuple(x.shape), n, x.device)
-        g = cache.get(key)
-        if g is None:
-            if len(cache) >= 256:  # a program of many small shapes: start over
-                cache.clear()
-            g = cache[key] = _Rows(x, op, n, name)
-        return g
-
     def _header(self, op, dtype, shapes, n, device):
         """The always-on check's header (``_header.py``), where ``_checked``."""
         if not self._checked(device):
@@ -369,6 +236,15 @@ class TorchComm:
             return [_copy(x)]
         rec = self._rec(group)
         seq = self._enter(rec)
+        if self._checked(x.device) and x.ndim <= _MAXDIM:
+            if sizes is None:
+                return self._all_gather_gathered(x, group, rec, seq, d, None, name)
+            # The transport is chosen from what the ranks agree on (sizes, the other dims,
+            # dtype), never from this rank's own size alone: every rank takes the same.
+            most = max(sizes) * _numel(x.shape[:d] + x.shape[d + 1:]) * x.element_size()
+            if most <= _envelope.INLINE:
+                return self._all_gather_gathered(x, group, rec, seq, d, sizes, name)
+            return self._all_gather_p2p(x, group, rec, seq, d, sizes, name)
         if self.validate or sizes is None:
             if self.validate:
                 rows = self._validate(rec, group, seq, "all_gather", d, [x], name, skip_dim=d)
@@ -457,8 +333,11 @@ class TorchComm:
         return self._all_to_all(chunks, group, name, shapes, wait=True)
 
     def all_to_all_async(self, chunks, group, *, name, shapes=None):
-        # Only the data transfer is in flight; a metadata exchange (no shapes, or
-        # validation) is made first, blocking. The chunks are copied before the start.
+        # Only the data transfer is in flight. Checked (CPU): envelopes, no metadata
+        # exchange; chunks larger than an envelope are sent from the caller's tensors
+        # (contiguous ones in place), which must not change until the wait (base.py).
+        # Otherwise a metadata exchange (no shapes, or validation) is made first,
+        # blocking, and the chunks are copied before the start.
         return self._all_to_all(chunks, group, name, shapes, wait=False)
 
     def _all_to_all(self, chunks, group, name, shapes, wait):
@@ -475,6 +354,8 @@ class TorchComm:
         if self.validate:
             self._validate(rec, group, seq, "all_to_all", 0, [], name, count=len(chunks))
         dev = chunks[group.index].device
+        if self._checked(dev) and all(c.ndim <= _MAXDIM for c in chunks):
+            return self._all_to_all_p2p(chunks, group, rec, seq, shapes, wait, token, name)
         send = [chunks[i].detach().contiguous() for i in rec.idx_of]  # process-group order
         if shapes is not None and not self.validate:
             # The caller's plan knows what arrives: no metadata exchange.
@@ -570,14 +451,6 @@ class TorchComm:
             self._wait(w, name, group, rec, seq, [peer], deadline)
         return out
 
-    def _p2p(self, fn, t, peer, name, group, rec, seq, peers, deadline) -> None:
-        """One blocking isend/irecv of contiguous ``t``, bounded by ``deadline``."""
-        try:
-            work = fn(_bytes(t), peer, group=rec.pg)
-        except RuntimeError as e:
-            raise self._failure(e, name, group, rec, seq, peers) from e
-        self._wait(work, name, group, rec, seq, peers, deadline)
-
     def _send_pieces(self, chunks, group, rec, seq, name, spare: torch.Tensor,
                      head: bool) -> None:
         """scatter's source side: every other member's chunk, in ``_pieces`` order
@@ -633,22 +506,6 @@ class TorchComm:
         while pending:
             wait_oldest()
 
-    def _validate_scatter(self, rec, group, seq, chunks, src, shape, dtype, name) -> None:
-        """``_validate`` with the source's chunk rows and, in each other member's slot,
-        the row it expects: the first member whose expectation differs from what the
-        source sends is the same CommError on every rank."""
-        n, me = group.size, group.index
-        if me == src:
-            rows = [_row(c, name) for c in chunks]
-        else:
-            rows = [[-1] * _ROW] * n
-            rows[me] = _row_of(shape, dtype, name)
-        per = self._validate(rec, group, seq, "scatter", src, [], name, rows=rows)
-        for i in range(n):
-            if i != src and per[i][i] != per[src][i]:
-                raise _plans_disagree(name, group, group.ranks[i], per[i][i],
-                                      group.ranks[src], per[src][i], "sizes or spec")
-
     def permute(self, x, group, pairs, *, name):
         count("permute", name, group, x=x, pairs=pairs)
         me = group.index
@@ -662,6 +519,8 @@ class TorchComm:
                            [x], name)
         xc = x.detach().contiguous()
         dsts = [d for s, d in pairs if s == me and d != me]
+        if self._checked(x.device) and x.ndim <= _MAXDIM:
+            return self._permute_p2p(xc, group, rec, seq, pairs, srcs, dsts, name)
         ops, recv = [], {}
         pg = rec.pg
         for d in dsts:
@@ -712,188 +571,12 @@ class TorchComm:
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "barrier", 0, [], name)
+        if self._checked(self.mesh.device):
+            self._envelopes(group, rec, seq, name, "barrier", 0, None)
+            return
         if self._zero is None:
             self._zero = torch.zeros(1, device=self.mesh.device)
         self._call(dist.all_reduce, name, group, rec, seq, self._zero)  # stays zero
-
-    # -- metadata --------------------------------------------------------------------
-
-    def _gather_rows(self, rec, group, seq, tensors, name) -> list[list[list[int]]]:
-        """Every member's metadata rows for ``tensors``, in group order."""
-        n = group.size
-        meta = torch.tensor([v for t in tensors for v in _row(t, name)], dtype=torch.int64,
-                            device=tensors[0].device)
-        out = meta.new_empty(n * meta.numel())
-        self._call(_all_gather_single, name, group, rec, seq, out, meta)
-        flat = out.view(n, len(tensors), _ROW).tolist()
-        return [flat[p] for p in rec.pg_of]
-
-    def _check_plan(self, rec, group, seq, rows, shapes, dtype, name) -> None:
-        """Under validation: every member's expected shapes (from its plan) against what
-        the senders' metadata says; the first disagreement, found by any member, is the
-        same CommError on every member (ranks whose plans differ, e.g. a rank-dependent
-        halo width, would otherwise read garbage or abort)."""
-        mismatch = None
-        for i in range(group.size):
-            got = rows[rec.pg_of[i]]
-            exp = _row_of(tuple(shapes[i]), dtype, name)
-            if got != exp:
-                mismatch = (group.ranks[i], exp, got)
-                break
-        vec = torch.tensor(_plan_row(mismatch), dtype=torch.int64, device=self.mesh.device)
-        out = vec.new_empty(group.size * vec.numel())
-        self._call(_all_gather_single, name, group, rec, seq, out, vec)
-        allv = out.view(group.size, -1).tolist()
-        for p, v in enumerate(allv):
-            if v[0]:
-                me = group.ranks[rec.idx_of[p]]
-                raise _plans_disagree(name, group, me, v[2:2 + _ROW], v[1], v[2 + _ROW:],
-                                      "a halo width", verb="sent")
-
-    def _validate(self, rec, group, seq, op, extra, tensors, name, *, count=None,
-                  skip_dim=None, rows=None) -> list[list[list[int]]]:
-        """Compare op, ``extra`` argument, chunk count and tensor metadata across members,
-        with one all_gather of a fixed-size int64 vector; the same CommError on every rank.
-        ``rows``: n metadata rows to send instead of ``tensors``' (compared by the caller)."""
-        n = group.size
-        if rows is None:
-            rows = [_row(t, name) for t in tensors[:n]]
-            rows += [[-1] * _ROW] * (n - len(rows))
-        vec = [_OPCODES[op], int(extra), len(tensors) if count is None else count]
-        vec += [v for r in rows for v in r]
-        dev = tensors[0].device if tensors else self.mesh.device
-        meta = torch.tensor(vec, dtype=torch.int64, device=dev)
-        out = meta.new_empty(n * meta.numel())
-        self._call(_all_gather_single, name, group, rec, seq, out, meta)
-        allv = out.view(n, -1).tolist()
-        allv = [allv[p] for p in rec.pg_of]
-        ranks = group.ranks
-        for i, v in enumerate(allv):
-            if v[0] != allv[0][0]:
-                raise CommError(
-                    f"{name}: collective mismatch over {_axes(group)}: rank {ranks[i]} called "
-                    f"{_OPNAMES.get(v[0], v[0])} while rank {ranks[0]} called {op} (call #{seq} "
-                    f"on this group); every rank must run the same collectives in the same order")
-        if count is not None:
-            for i, v in enumerate(allv):
-                if v[2] != n:
-                    raise CommError(f"{name}: rank {ranks[i]} passed {v[2]} chunks for a group "
-                                    f"of {n}")
-        for i, v in enumerate(allv):
-            if v[1] != allv[0][1]:
-                label, a, b = _extra(op, allv[0][1], v[1])
-                raise CommError(f"{name} over {_axes(group)}: rank {ranks[0]} passed {label} {a} "
-                                f"but rank {ranks[i]} passed {label} {b}; every rank must pass "
-                                f"the same {label}")
-        per = [[v[3 + j * _ROW:3 + (j + 1) * _ROW] for j in range(n)] for v in allv]
-        if op not in ("all_to_all", "scatter"):
-            for j in range(len(tensors[:n])):
-                _check_rows([p[j] for p in per], group, name, skip_dim=skip_dim,
-                            chunk=j if op == "reduce_scatter" else None)
-        return per
-
-
-def _plan_row(mismatch: tuple | None) -> list[int]:
-    """[found, sender, expected row..., received row...] (int64), for _check_plan."""
-    if mismatch is None:
-        return [0, -1] + [-1] * (2 * _ROW)
-    sender, exp, got = mismatch
-    return [1, sender, *exp, *got]
-
-
-class _TorchWork:
-    """An all_reduce_async in flight on a process group."""
-
-    __slots__ = ("comm", "work", "x", "name", "group", "rec", "seq")
-
-    def __init__(self, comm: TorchComm, work, x: torch.Tensor, name: str, group: Group,
-                 rec: _PG | None, seq: int):
-        self.comm, self.work, self.x, self.name = comm, work, x, name
-        self.group, self.rec, self.seq = group, rec, seq
-
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            work, self.work = self.work, None
-            self.comm._wait(work, self.name, self.group, self.rec, self.seq)
-        return self.x
-
-
-class _Progress:
-    """Per-process call counts per group, and the post-mortem of a timeout.
-
-    Nothing is published while things work. On a timeout, each rank that did arrive
-    marks ``(group, call number)`` in the job's store (a ``TCPStore`` client to
-    ``MASTER_ADDR:MASTER_PORT``, as set by torchrun and spmd.launch), waits a short
-    grace for the other arrivals to time out and mark too, and names the members that
-    never marked: they did not arrive.
-    """
-
-    _instance: _Progress | None = None
-
-    def __init__(self):
-        self.counts: dict[int, int] = {}
-        self.rank = _rank_or(-1)
-        self._store = None
-
-    @classmethod
-    def get(cls) -> _Progress:
-        inst = cls._instance
-        if inst is None or inst.rank != _rank_or(-2):
-            inst = cls._instance = cls()
-        return inst
-
-    def _connect(self):
-        if self._store is None:
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if not addr or not port:
-                return None
-            self._store = dist.TCPStore(addr, int(port), is_master=False,
-                                        timeout=datetime.timedelta(seconds=5))
-        return self._store
-
-    def missing(self, key: int, seq: int, peers, grace: float) -> tuple[int, ...]:
-        """Peers that never marked call ``seq`` of group ``key`` (empty if unknown),
-        after ``grace`` seconds for the others to mark."""
-        try:
-            store = self._connect()
-            if store is None:
-                return ()
-            store.set(f"spmd/arrived/{key}/{seq}/{self.rank}", "1")
-            time.sleep(grace)
-            return tuple(r for r in peers if not store.check([f"spmd/arrived/{key}/{seq}/{r}"]))
-        except Exception:  # noqa: BLE001 - best effort: then the message says "could not tell"
-            return ()
-
-
-def _rank_or(default: int) -> int:
-    try:
-        return dist.get_rank()
-    except Exception:  # noqa: BLE001
-        return default
-
-
-# -- helpers ------------------------------------------------------------------------------
-
-def _copy(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().clone(memory_format=torch.contiguous_format)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's memory as a flat uint8 view (moving data ignores dtype)."""
-    return t.view(-1).view(torch.uint8)
-
-
-def _piece_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``_bytes`` of a contiguous piece whose dims of size 1 may have any stride (a
-    piece of a strided view: ``view`` keeps those strides and then refuses the bytes)."""
-    return _bytes(t.as_strided((t.numel(),), (1,)))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _pieces(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple, int]]:
@@ -916,137 +599,3 @@ def _pieces(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple, int]]:
             for lead in itertools.product(*map(range, shape[:d - 1]))
             for j in range(0, last, step)]
 
-
-def _rop(op: str, dtype: torch.dtype, name: str):
-    if op not in _ROPS:
-        raise SpecError(f"{name}: reduction op must be one of {REDUCE_OPS}, got {op!r}")
-    if dtype == torch.bool:  # torch's bool sum is logical or, like max
-        return _ROPS["min" if op == "min" else "max"]
-    if dtype.is_complex and op != "sum":
-        raise SpecError(f"{name}: op {op!r} is not defined for complex tensors; use 'sum'")
-    return _ROPS[op]
-
-
-def _reducible(t: torch.Tensor) -> torch.Tensor:
-    """A view of contiguous ``t`` that process groups can reduce (bool, complex)."""
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_complex():
-        return torch.view_as_real(t)
-    return t
-
-
-def _unreducible(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bool:
-        return flat.view(torch.bool)
-    if dtype.is_complex:
-        return torch.view_as_complex(flat.view(-1, 2))
-    return flat
-
-
-def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
-    if not -x.ndim <= dim < max(x.ndim, 1) or x.ndim == 0:
-        raise SpecError(f"{name}: dim {dim} is out of range for {shape_str(x.shape, x.dtype)}")
-    return dim % x.ndim
-
-
-def _row(t: torch.Tensor, name: str) -> list[int]:
-    return _row_of(tuple(t.shape), t.dtype, name)
-
-
-def _row_of(shape: tuple[int, ...], dtype: torch.dtype, name: str) -> list[int]:
-    if len(shape) > _MAXDIM:
-        raise NotImplementedError(f"{name}: tensors with more than {_MAXDIM} dims are not "
-                                  f"supported by the torch backend, got {len(shape)} dims")
-    code = _DCODE.get(dtype, len(_DTYPES))
-    return [code, len(shape), _numel(shape), *shape] + [-1] * (_MAXDIM - len(shape))
-
-
-def _dtype(code: int, name: str) -> torch.dtype:
-    if 0 <= code < len(_DTYPES):
-        return _DTYPES[code]
-    raise CommError(f"{name}: received a tensor of a dtype this process does not know")
-
-
-def _describe_row(r: list[int]) -> str:
-    dt = _DTYPES[r[0]] if 0 <= r[0] < len(_DTYPES) else None
-    return shape_str(r[3:3 + r[1]], dt)
-
-
-def _check_rows(rows: list[list[int]], group: Group, name: str, *, skip_dim=None,
-                chunk=None) -> None:
-    """threads.py's ``_same_meta`` on metadata rows (same message on every rank)."""
-    r0 = rows[0]
-    for i, r in enumerate(rows[1:], 1):
-        a, b = list(r0[:2] + r0[3:]), list(r[:2] + r[3:])
-        if skip_dim is not None and r0[1] == r[1]:
-            a[2 + skip_dim] = b[2 + skip_dim] = -1
-        if a != b:
-            what = f" chunk {chunk}:" if chunk is not None else ""
-            raise CommError(
-                f"{name} over {_axes(group)}:{what} rank {group.ranks[0]} passed "
-                f"{_describe_row(r0)} but rank {group.ranks[i]} passed {_describe_row(r)}; every "
-                f"rank must pass the same dtype and shape"
-                + (f" (except along dim {skip_dim})" if skip_dim is not None else ""))
-
-
-def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
-    if op in ("all_reduce", "reduce_scatter"):
-        return "reduction op", repr(REDUCE_OPS[a]), repr(REDUCE_OPS[b])
-    if op == "all_gather":
-        return "dim", a, b
-    if op in ("broadcast", "scatter"):
-        return "src", a, b
-    return "pairs", "one set", "another"
-
-
-@functools.lru_cache(maxsize=512)
-class _Rows:
-    """A gathered reduction's buffers: the row this rank sends ([op and metadata row as
-    int64 | payload | zeros]: only the payload changes from call to call), what every
-    member's row arrives in, and views of the arrived metadata and payloads (rows are
-    16-byte aligned, so a payload is viewed in place in any dtype)."""
-
-    __slots__ = ("row", "payload", "out", "rows", "metas", "expect", "vals")
-
-    def __init__(self, x: torch.Tensor, op: str, n: int, name: str):
-        nb = x.numel() * x.element_size()
-        mine = _gathered_meta(op, x.dtype, tuple(x.shape), name).to(x.device)
-        self.row = torch.zeros(_GROW, dtype=torch.uint8, device=x.device)
-        self.row[:_GMETA].copy_(mine)
-        self.payload = self.row[_GMETA:_GMETA + nb]
-        self.out = self.row.new_empty(n * _GROW)
-        self.rows = self.out.view(n, _GROW)
-        self.metas = self.rows[:, :_GMETA]
-        self.expect = mine.expand(n, -1)
-        vals = self.rows[:, _GMETA:_GMETA + nb]
-        self.vals = vals if x.dtype == torch.bool else vals.view(x.dtype)
-
-
-def _gathered_meta(op: str, dtype: torch.dtype, shape: tuple[int, ...], name: str
-                   ) -> torch.Tensor:
-    """The metadata bytes of a gathered reduction's row: op code and ``_row_of``."""
-    meta = torch.tensor([_ROP_CODE[op], *_row_of(shape, dtype, name)], dtype=torch.int64)
-    return _bytes(meta)
-
-
-def _plans_disagree(name: str, group: Group, rank: int, want: list[int], src: int,
-                    sent: list[int], example: str, tail: str = "",
-                    verb: str = "sends") -> CommError:
-    """Rank ``rank`` expected metadata row ``want`` from rank ``src``, which sends ``sent``."""
-    return CommError(f"{name} over {_axes(group)}: rank {rank} expected {_describe_row(want)} "
-                     f"from rank {src} but it {verb} {_describe_row(sent)}; the ranks' plans "
-                     f"disagree (an argument that differs from rank to rank, e.g. {example})"
-                     f"{tail}", op=name, axes=group.axes)
-
-
-def _mismatch(name: str, group: Group, head) -> str:
-    return (f"{name} over {_axes(group)}: the ranks did not all call it alike: rank "
-            f"{group.rank} called {head.what}, and the header every rank sends with its data "
-            f"says another rank called it with a different reduction op, dtype or shape. "
-            f"The result would be garbage, so every rank raises; run with SPMD_VALIDATE=1 to "
-            f"have the differing ranks named")
-
-
-def _axes(group: Group) -> str:
-    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"

@@ -1,0 +1,217 @@
+"""The fingerprint a checked collective carries in its first message: what every rank
+must agree on, travelling with the data, so that a disagreement is a ``CommError``
+instead of garbage or gloo aborting the process.
+
+An envelope is ``SIZE`` bytes: a head of ``SLOTS`` int64 and up to ``INLINE`` bytes of
+payload. The head holds ``MAGIC``, the collective (``KIND``), the call's number on its
+group (``SEQ``: its place in the program), the op's own argument (``EXTRA``: the
+reduction op, the gather dim, the permutation's hash), the payload's byte count
+(``NBYTES``) and its metadata row (dtype code, ndim, numel, shape).
+
+Every first message of a checked collective is one envelope, of the same size for every
+kind of call, so that ranks that disagree about anything still exchange messages of equal
+size, and read each other's heads:
+
+- all_reduce of at most ``INLINE`` bytes, barrier, all_gather of at most ``INLINE``
+  bytes: one all_gather of envelopes (the payload inline); a reduction is reduced
+  locally in process-group order (bitwise equal on every rank).
+- all_gather of more, all_to_all, permute: point to point, tagged with the call number
+  (calls in flight together never match each other's messages). A sender sends each
+  receiver its envelope (the payload inline where it fits) and, where it does not fit,
+  the payload right after it. Where this rank's plan knows what arrives (all_gather with
+  ``sizes``, permute, all_to_all with ``shapes``) the payload's receive is posted with
+  the envelope's, sized by the plan (a receive posted after its envelope arrived is
+  gloo's slow path: milliseconds on a loaded machine): a payload smaller than planned
+  arrives and its envelope says so; a larger one makes gloo abort the process, which
+  only ``SPMD_VALIDATE=1`` prevents. Where the plan does not know (all_to_all without
+  ``shapes``), the payload is received after its envelope, of the size the envelope
+  announced: nothing can abort. all_gather and all_to_all ranks receive from every
+  other member, so every rank reads every head: every rank raises. A permute's error
+  is raised by the ranks that receive (those that would have received garbage); a rank
+  that only sends does not hear of it.
+
+Calls of different transports (an all_gather of envelopes against a point-to-point one,
+or against a ring reduction of ``_header.py``) never meet: they time out, and the
+timeout names the call each other rank waits in (``_groups.py``).
+
+No extra round trip: the head travels in the message that would carry the data anyway
+(the payload of a large transfer follows its envelope without waiting for an answer).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..core._format import shape_str
+from ..core.errors import CommError
+from ..core.mesh import Group
+from ._meta import _DTYPES, _OPCODES, _OPNAMES, _ROW, _axes, _extra, _row_of
+
+__all__ = ["SIZE", "INLINE", "HEAD", "head_of", "pack", "heads_of", "check_all", "check_from",
+           "tag_of"]
+
+MAGIC_VALUE = 0x53504D44  # "SPMD"
+MAGIC, KIND, SEQ, EXTRA, NBYTES, ROW = range(6)
+SLOTS = ROW + _ROW
+HEAD = 8 * SLOTS
+INLINE = 512
+SIZE = HEAD + INLINE  # both multiples of 16: an inline payload is aligned for every dtype
+
+
+def head_of(kind: str, seq: int, extra: int, shape, dtype: torch.dtype, name: str
+            ) -> list[int]:
+    """The head of a ``kind`` call number ``seq`` sending a tensor of ``shape``/``dtype``."""
+    row = _row_of(tuple(shape), dtype, name)
+    return [MAGIC_VALUE, _OPCODES[kind], seq, int(extra), row[2] * dtype.itemsize, *row]
+
+
+def tag_of(seq: int) -> int:
+    """The point-to-point tag of call ``seq``: calls in flight together never match each
+    other's messages (0 is left to scatter's pieces)."""
+    return 1 + seq % (1 << 30)
+
+
+def pack(head: list[int], payload: torch.Tensor | None, device) -> torch.Tensor:
+    """An envelope: ``head``, then ``payload``'s bytes (contiguous) where they fit."""
+    env = torch.zeros(SIZE, dtype=torch.uint8, device=device)
+    env[:HEAD].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    nb = head[NBYTES]
+    if payload is not None and 0 < nb <= INLINE:
+        env[HEAD:HEAD + nb].copy_(payload.reshape(-1).view(torch.uint8))
+    return env
+
+
+def heads_of(envs: torch.Tensor) -> list[list[int]]:
+    """The heads of a (k, SIZE) uint8 tensor of envelopes, as lists."""
+    return envs[:, :HEAD].contiguous().view(torch.int64).tolist()
+
+
+def as_tensor(raw: torch.Tensor, head: list[int]) -> torch.Tensor:
+    """Received bytes ``raw`` as the dtype and shape ``head`` announced (a view)."""
+    code = head[ROW]
+    if not 0 <= code < len(_DTYPES):
+        raise CommError("received a tensor of a dtype this process does not know")
+    dt, shape = _DTYPES[code], head[ROW + 3:ROW + 3 + head[ROW + 1]]
+    return (raw if dt == torch.uint8 else raw.view(dt)).view(shape)
+
+
+def payload_of(env: torch.Tensor, head: list[int]) -> torch.Tensor:
+    """The inline payload of a received envelope, as its dtype and shape (a view)."""
+    return as_tensor(env[HEAD:HEAD + head[NBYTES]], head)
+
+
+def describe(h: list[int]) -> str:
+    """``f32[2, 3]`` for a head."""
+    code = h[ROW]
+    dt = _DTYPES[code] if 0 <= code < len(_DTYPES) else None
+    return shape_str(h[ROW + 3:ROW + 3 + h[ROW + 1]], dt)
+
+
+def _kind(h: list[int]) -> str:
+    return _OPNAMES.get(h[KIND], f"an unknown collective ({h[KIND]})")
+
+
+def _foreign(name: str, group: Group, rank: int) -> CommError:
+    return CommError(f"{name} over {_axes(group)}: rank {rank} sent a message that is not a "
+                     f"spmd collective (another library's collective on the same process "
+                     f"group?)", op=name, axes=group.axes)
+
+
+def _order(name: str, group: Group, ra: int, ha: list[int], rb: int, hb: list[int]
+           ) -> CommError | None:
+    """The first thing two heads disagree on besides dtype and shape (kind, call number,
+    argument), as the error both ranks raise alike (ranks named in order)."""
+    if ra > rb:
+        ra, ha, rb, hb = rb, hb, ra, ha
+    where = f"{name} over {_axes(group)}"
+    if ha[KIND] != hb[KIND]:
+        return CommError(
+            f"{where}: collective mismatch: rank {ra} called {_kind(ha)} while rank {rb} "
+            f"called {_kind(hb)} (call #{min(ha[SEQ], hb[SEQ])} on this group); every rank "
+            f"must run the same collectives in the same order", op=name, axes=group.axes)
+    if ha[SEQ] != hb[SEQ]:
+        return CommError(
+            f"{where}: rank {ra} is at call #{ha[SEQ]} on this group but rank {rb} at call "
+            f"#{hb[SEQ]}: they ran different numbers of collectives on it before this "
+            f"{_kind(ha)}; every rank must run the same collectives in the same order",
+            op=name, axes=group.axes)
+    if ha[EXTRA] != hb[EXTRA]:
+        label, a, b = _extra(_kind(ha), ha[EXTRA], hb[EXTRA])
+        return CommError(f"{where}: rank {ra} passed {label} {a} but rank {rb} passed {label} "
+                         f"{b}; every rank must pass the same {label}", op=name, axes=group.axes)
+    return None
+
+
+def check_all(heads: list[list[int]], group: Group, name: str, *, skip_dim: int | None = None,
+              sizes: tuple[int, ...] | None = None) -> None:
+    """Every member's head (member order) against member 0's; the first difference is a
+    ``CommError``, the same on every rank that read the same heads.
+
+    ``skip_dim``: the dim whose size may differ (all_gather); ``sizes``: what it must be."""
+    ranks = group.ranks
+    for i, h in enumerate(heads):
+        if h[MAGIC] != MAGIC_VALUE:
+            raise _foreign(name, group, ranks[i])
+    h0 = heads[0]
+    for i, h in enumerate(heads[1:], 1):
+        e = _order(name, group, ranks[0], h0, ranks[i], h)
+        if e is not None:
+            raise e
+    for i, h in enumerate(heads[1:], 1):
+        a, b = h0[ROW:ROW + 2] + h0[ROW + 3:], h[ROW:ROW + 2] + h[ROW + 3:]
+        if skip_dim is not None and h0[ROW + 1] == h[ROW + 1]:
+            a[2 + skip_dim] = b[2 + skip_dim] = -1
+        if a != b:
+            raise CommError(
+                f"{name} over {_axes(group)}: rank {ranks[0]} passed {describe(h0)} but rank "
+                f"{ranks[i]} passed {describe(h)}; every rank must pass the same dtype and "
+                f"shape" + (f" (except along dim {skip_dim})" if skip_dim is not None else ""),
+                op=name, axes=group.axes)
+    if sizes is not None:
+        got = tuple(h[ROW + 3 + skip_dim] for h in heads)
+        if got != sizes:
+            raise CommError(f"{name} over {_axes(group)}: expected sizes {list(sizes)} along "
+                            f"dim {skip_dim}, got {list(got)}", op=name, axes=group.axes)
+
+
+def check_from(head: list[int], mine: list[int], src: int, group: Group, name: str, *,
+               shape: bool = True) -> None:
+    """A head received from rank ``src`` against this rank's own (``mine``): kind, call
+    number, argument, dtype and (``shape``) shape must be equal."""
+    if head[MAGIC] != MAGIC_VALUE:
+        raise _foreign(name, group, src)
+    e = _order(name, group, group.rank, mine, src, head)
+    if e is not None:
+        raise e
+    same = head[ROW] == mine[ROW] and (not shape or head[ROW + 1:] == mine[ROW + 1:])
+    if not same:
+        (ra, ha), (rb, hb) = sorted(((group.rank, mine), (src, head)))
+        what = "dtype and shape" if shape else "dtype"
+        raise CommError(f"{name} over {_axes(group)}: rank {ra} passed {describe(ha)} but rank "
+                        f"{rb} passed {describe(hb)}; every rank must pass the same {what}",
+                        op=name, axes=group.axes)
+
+
+class Rows:
+    """The buffers of a gathered call (a small reduction, a barrier, a small all_gather),
+    made once per kind of call and reused: the envelope this rank sends (only the call
+    number and the payload change from call to call), one per member as they arrive, in
+    process-group order, views of their heads and payloads, and the heads expected
+    (this rank's, n times: a view of its own envelope, so the call number written into
+    it is expected too)."""
+
+    __slots__ = ("env", "rows", "out", "seq", "payload", "heads", "expect", "vals")
+
+    def __init__(self, kind: str, extra: int, shape, dtype: torch.dtype, n: int, name: str,
+                 device):
+        head = head_of(kind, 0, extra, shape, dtype, name)
+        nb = head[NBYTES]
+        self.env = pack(head, None, device)
+        self.out = torch.zeros(n * SIZE, dtype=torch.uint8, device=device)
+        self.rows = self.out.view(n, SIZE)
+        self.seq = self.env[:HEAD].view(torch.int64)[SEQ:SEQ + 1]
+        nb = nb if nb <= INLINE else 0  # a larger payload is not inline (see all_gather)
+        self.payload = self.env[HEAD:HEAD + nb]
+        self.heads = self.rows[:, :HEAD]
+        self.expect = self.env[:HEAD].expand(n, -1)
+        vals = self.rows[:, HEAD:HEAD + nb]
+        self.vals = vals if dtype in (torch.bool, torch.uint8) else vals.view(dtype)
