@@ -206,6 +206,16 @@ class Pad(_Sharded, nn.Module):
 
     @classmethod
     def from_torch(cls, module: nn.Module, mesh: Mesh, spec: Any) -> nn.Module:
+        """The sharded twin of one of torch's padding layers (``ZeroPad2d``,
+        ``ReflectionPad*``, ``ReplicationPad*``, ``CircularPad*``, ``ConstantPad*``): the
+        same widths, mode and fill value, padding the global tensor's edges.
+
+        Example:
+            >>> mesh = spmd.Mesh((2,), ("sp",))
+            >>> pad = spmd.nn.Pad.from_torch(torch.nn.ReflectionPad1d(2), mesh, P(None, None, "sp"))
+            >>> pad.padding, pad.mode
+            ((2, 2), 'reflect')
+        """
         mode = _PAD_MODES.get(type(module).__name__[:-2]) if type(module) in _PAD_LAYERS else None
         if mode is None:
             raise TypeError(f"Pad.from_torch expects one of torch's padding layers, got "
