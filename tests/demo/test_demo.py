@@ -124,3 +124,16 @@ def test_cli_torchrun():
     assert "torchrun world 2" in r.stdout and "rows split [5, 4]" in r.stdout
     assert r.stdout.count("largest |parameter difference|") == 1  # rank 0 reports
     assert r.stdout.rstrip().endswith("PASS")
+
+
+def test_the_readme_shows_the_default_demos_bytes():
+    """The sample output in README.md is what `python -m spmd demo` prints."""
+    repo = os.path.dirname(ROOT)
+    readme = open(os.path.join(repo, "README.md"), encoding="utf-8").read()
+    sample = readme[readme.index("bytes sent per step (spmd.comm_stats()):"):]
+    rows = [ln for ln in sample.splitlines()[1:4] if "|" in ln]
+    assert len(rows) == 3, rows  # the header and ranks 0 and 1
+    r = _run([sys.executable, "-m", "spmd", "demo"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for row in rows:
+        assert row in r.stdout, (row, r.stdout)
