@@ -158,6 +158,19 @@ CASES = {
     "antialias over H": (Fn(lambda m, x: F.interpolate(x, scale_factor=0.5, mode="bilinear",
                                                        antialias=True)),
                          "filters with antialias=True along dim 2"),
+    # a classifier's head (torchvision's ResNet, VGG): the pool's one row is whole on every
+    # rank, so the flatten and the Linear after it see what one device sees
+    "AdaptiveAvgPool2d(1) head": (nn.Sequential(_conv(3, 4), nn.ReLU(),
+                                                nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                                _lin(4, 5)), "exact"),
+    "AdaptiveMaxPool2d(1) head": (nn.Sequential(_conv(3, 4),
+                                                nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+                                                _lin(4, 5)), "exact"),
+    "adaptive pool to one row, three columns": (
+        nn.Sequential(nn.AdaptiveAvgPool2d((1, 3)), nn.Flatten(), _lin(9, 2)), "exact"),
+    "adaptive pool to two rows, then flatten": (
+        nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), _lin(12, 2)),
+        "flatten flattens dim 2, which is split"),
 }
 
 

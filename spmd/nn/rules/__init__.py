@@ -93,7 +93,7 @@ from .shapes import (
     view,
     view_as,
 )
-from .windows import _LOSSES, _indices_twin, _lp_pool, _twin, interpolate, loss
+from .windows import _LOSSES, _adaptive, _indices_twin, _lp_pool, _twin, interpolate, loss
 
 __all__ = ["Call", "Refused", "PerOutput", "like_input", "rule_for", "op_name", "unknown",
            "raise_refusal"]
@@ -173,8 +173,8 @@ for _n in (1, 2, 3):
     _TWINS[f"_max_pool{_n}d"] = _TWINS[f"max_pool{_n}d"]
     _TWINS[f"max_pool{_n}d_with_indices"] = _indices_twin(getattr(ops, f"max_pool{_n}d"))
     _TWINS[f"avg_pool{_n}d"] = _twin(getattr(ops, f"avg_pool{_n}d"))
-    _TWINS[f"adaptive_avg_pool{_n}d"] = _twin(getattr(ops, f"adaptive_avg_pool{_n}d"))
-    _TWINS[f"adaptive_max_pool{_n}d"] = _twin(getattr(ops, f"adaptive_max_pool{_n}d"))
+    _TWINS[f"adaptive_avg_pool{_n}d"] = _adaptive(_n, is_max=False)
+    _TWINS[f"adaptive_max_pool{_n}d"] = _adaptive(_n, is_max=True)
     _TWINS[f"_adaptive_max_pool{_n}d"] = _TWINS[f"adaptive_max_pool{_n}d"]
     _TWINS[f"adaptive_max_pool{_n}d_with_indices"] = _indices_twin(
         getattr(ops, f"adaptive_max_pool{_n}d"))

@@ -46,6 +46,40 @@ def _twin(real: Callable):
     return rule
 
 
+def _adaptive(n: int, is_max: bool):
+    """``F.adaptive_{avg,max}_pool{n}d``: where the output has one element along every
+    split dim (a classifier's ``AdaptiveAvgPool2d(1)``), the pool is a global mean (max)
+    over those dims, then the same pool on each rank's replicated result: its output is
+    whole on every rank, as a ``mean((2, 3))`` head's is, so a flatten and a Linear after
+    it convert. Elsewhere ``spmd.ops``' twin, whose output stays split."""
+    twin = _twin(getattr(ops, f"adaptive_{'max' if is_max else 'avg'}_pool{n}d"))
+    plain = getattr(F, f"adaptive_{'max' if is_max else 'avg'}_pool{n}d")
+
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        e = c.ent(x)
+        size = _arg(c, "output_size", 1, None)
+        sizes = (size,) * n if isinstance(size, int) else tuple(size or (None,) * n)
+        first = x.ndim - n
+        sp = [d for d in range(first, x.ndim) if e[d]]
+        if (not sp or any(sizes[d - first] != 1 for d in sp)
+                or _arg(c, "return_indices", 2, False)):
+            return twin(c)
+        _no_local_sizes(c)
+        kept = tuple(None if d in sp else e[d] for d in range(x.ndim))
+        op = "max" if is_max else "mean"
+        c.record("swapped", f"output size 1 along split dim {sp[0]} -> spmd.reduce(op={op!r}), "
+                            f"then {plain.__name__} on every rank")
+        if c.planning:
+            return c.out(c.call(), kept)
+
+        def run(t, *_, **__):
+            whole = _reduce(t, c.mesh, spec_of(e), op=op, dim=sp, keepdim=True)
+            return plain(whole, size)
+        return c.out(c.call(run, (x,), {}), kept)
+    return rule
+
+
 _INTERPOLATE_TWIN = _twin(ops.interpolate)
 _RESAMPLING = {"nearest", "nearest-exact", "linear", "bilinear", "trilinear", "bicubic"}
 
