@@ -22,6 +22,7 @@ from ..core.mesh import Mesh, check_mesh
 from ..core.spec import P, as_spec
 from . import entry, interpreter
 from .modules import _Sharded
+from .spectral import SpectralConv1d, SpectralConv2d, SpectralConv3d
 
 __all__ = ["convert", "UNSAFE"]
 
@@ -111,6 +112,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             (``from_torch(module, mesh, spec)``) that handles shards itself; the
             interpreter does not look inside them. ``{YourFNOLayer:
             spmd.nn.SpectralConv2d}`` takes a layer holding the reference FNO's weights.
+            spmd's own spectral layers (``SpectralConv1d/2d/3d``, also inside
+            ``spmd.nn.FNO``) built for one device are swapped for their sharded selves
+            without being named here.
         allow: layer types and functions you know are right on shards here: the
             interpreter does not look inside those layers, and passes those functions;
             their outputs are split like their first input.
@@ -180,6 +184,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
         raise TypeError("convert: report=True needs example= (the global input or its shape)")
     new = copy.deepcopy(model)
     replaced: tuple = ()
+    # spmd's spectral layers on one device become their sharded selves (the same weights)
+    types = {**{c: c for c in _SPECTRAL if any(type(m) is c for m in new.modules())},
+             **(types or {})}
     if types:
         replaced = tuple(types.values())
         if type(new) in types:
@@ -210,6 +217,9 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")
     return new
+
+
+_SPECTRAL = (SpectralConv1d, SpectralConv2d, SpectralConv3d)
 
 
 def _specs(spec: Any, mesh: Mesh) -> Any:

@@ -14,6 +14,7 @@ from torch import nn
 
 import spmd
 from spmd import P
+from spmd.testing import assert_matches_single_device
 
 F64 = torch.float64
 H = P(None, None, "sp")
@@ -130,3 +131,39 @@ def test_a_lazy_layer_is_initialised_on_one_device_first():
     got, want = _run(conv, x, w, spmd.shard_map(conv, mesh, H, H)), _run(net, x, w)
     for g, r in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+def test_spmds_own_spectral_layers_and_fno_convert_as_they_are(dim):
+    """A one-device spmd.nn.FNO (its SpectralConv layers) converts without types=: the
+    spectral layers become their sharded selves, with the same weights, on uneven rows."""
+    from spmd.nn import FNO
+    torch.manual_seed(dim)
+    fno = FNO(2, 1, modes=3, width=4, hidden=4, dim=dim, blocks=2).double()
+    shape = (2, 2, 11, 6) if dim == 2 else (1, 2, 7, 5, 4)
+    mesh = spmd.Mesh((3,), ("sp",))  # rows [4, 4, 3] and [3, 2, 2]
+    conv = spmd.nn.convert(fno, mesh, H)
+    x = torch.randn(shape, dtype=F64)
+    assert_matches_single_device(conv, fno, mesh, H, H, x)
+    assert conv.state_dict().keys() == fno.state_dict().keys()  # checkpoints load both ways
+    assert type(conv.spectral[0]).__name__ == f"SpectralConv{dim}d" and conv.spectral[0].mesh is mesh
+
+
+def test_spmds_own_multihead_attention_converts_as_it_is():
+    torch.manual_seed(0)
+    mha = spmd.nn.MultiheadAttention(8, 2, batch_first=True).double()
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    mesh = spmd.Mesh((3,), ("sp",))
+    s = P(None, "sp")
+    block = Block()
+    conv = spmd.nn.convert(block, mesh, s, example=(2, 10, 8))
+    x = torch.randn(2, 10, 8, dtype=F64)
+    assert_matches_single_device(conv, block, mesh, s, s, x)
