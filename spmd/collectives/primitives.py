@@ -226,7 +226,8 @@ def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
         parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
                                             name="all_gather", sizes=sizes)
     except CommError as e:
-        if tiled or isinstance(e, (CommTimeout, CommAborted)):
+        # the hint is for shards that differ in shape, not for ranks in other collectives
+        if tiled or isinstance(e, (CommTimeout, CommAborted)) or "collective mismatch" in str(e):
             raise
         raise CommError(f"{e}. all_gather(tiled=False) stacks one x of the same shape per "
                         f"rank: if the shards differ in size along dim {axis}, pass "
