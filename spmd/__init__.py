@@ -26,7 +26,7 @@ The layers, each importing only the ones listed before it:
     collectives/  psum, all_gather, ppermute, ... with their transposes; custom_vjp
     transforms/   scatter, gather, halo_pad, reduce, redistribute, each with its adjoint;
                   Sharded, a global tensor held as its shards
-    mapping.py    shard_map: a per-shard function as one differentiable global call
+    mapping/      shard_map: a per-shard function as one differentiable global call
     ops/, nn/     domain-parallel layers (convolutions, pooling, ...) and nn.convert
     fft/          torch.fft's transforms on split tensors (slab, pencil), differentiable
     parallel/     GradSync: bucketed, overlapped gradient sync of replicated parameters

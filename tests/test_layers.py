@@ -277,7 +277,7 @@ def test_help_opens_with_an_overview_and_shows_no_private_module():
     desc = text[text.index("DESCRIPTION"):text.index("PACKAGE CONTENTS")]
     for name in ("Mesh", "P ", "shard_map", "psum", "halo_pad"):
         assert name in desc
-    for layer in ("core/", "comm/", "collectives/", "transforms/", "mapping.py", "ops/",
+    for layer in ("core/", "comm/", "collectives/", "transforms/", "mapping/", "ops/",
                   "parallel/", "testing/", "Read next"):
         assert layer in desc
     contents = text[text.index("PACKAGE CONTENTS"):].split("\n\n")[0].split("\n")[1:]

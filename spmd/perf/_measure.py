@@ -23,7 +23,8 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
-from ..mapping import _graph_leaves, shard_map
+from ..mapping import shard_map
+from ..mapping._graph import _graph_leaves
 from ..nn import convert
 from ..testing.memory import SavedBytes
 
