@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _modules import Fn
 from _ops import adam_steps
 from torch import nn
 
@@ -399,15 +400,6 @@ def test_convert_passes_attention_over_a_split_batch_weights_included():
     conv = spmd.nn.convert(model, mesh, P("dp"), example=x)
     assert conv.spmd_plan.swapped == []
     assert_matches_single_device(conv, model, mesh, P("dp"), P("dp"), x)
-
-
-class Fn(nn.Module):
-    def __init__(self, fn, *layers):
-        super().__init__()
-        self.fn, self.layers = fn, nn.ModuleList(layers)
-
-    def forward(self, x):
-        return self.fn(self, x)
 
 
 REFUSED = {

@@ -15,6 +15,7 @@ from contextlib import redirect_stdout
 import pytest
 import torch
 import torch.nn.functional as F
+from _modules import Fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -25,18 +26,6 @@ from spmd.testing import assert_matches_single_device
 
 F64 = torch.float64
 H = P(None, None, "sp")  # (N, C, H, W) split along H
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``f(self, x)``, with sub-layers in ``self.layers``."""
-
-    def __init__(self, f, *layers):
-        super().__init__()
-        self.f = f
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        return self.f(self, x)
 
 
 def _lin(i, o):
@@ -297,8 +286,6 @@ def test_a_refusal_shows_sizes_as_computed_one_line_per_call_site(example):
 def test_a_refusal_at_run_time_shows_this_ranks_size():
     """After a branch on data (the plan stops there), a refusal comes as the call runs,
     with the share each rank holds (10, 9, 9, 9), still before that call moves data."""
-    mesh = spmd.Mesh((4,), ("sp",))
-
     def f(m, x):
         if x.mean() > -1e9:  # meta tensors cannot say which branch runs
             return F.interpolate(x, size=(2 * x.shape[2], x.shape[3]))

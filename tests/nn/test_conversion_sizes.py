@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from _modules import Fn
 from torch import nn
 
 import spmd
@@ -25,18 +26,6 @@ from spmd import P
 F64 = torch.float64
 H = P(None, None, "sp")  # (N, C, H, W) split along H
 MESH = spmd.Mesh((4,), ("sp",))
-
-
-class Fn(nn.Module):
-    """A module whose forward is ``f(self, x)``, with sub-layers in ``self.layers``."""
-
-    def __init__(self, f, *layers):
-        super().__init__()
-        self.f = f
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        return self.f(self, x)
 
 
 def _x(seed=0):
