@@ -28,7 +28,7 @@ import torch
 
 from ..comm import comm_of
 from ..core._context import current
-from ..core._format import describe
+from ..core._format import axis_phrase, describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
 from ..core.mesh import Mesh, check_mesh
@@ -374,8 +374,7 @@ def _fix(lay: Layout, how: str) -> str:
             + (f", sizes={sizes}" if sizes else "") + ")")
 
 
-def _axes_str(axes: Sequence[str]) -> str:
-    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {tuple(axes)!r}"
+_axes_str = axis_phrase
 
 
 def _mesh_str(lay: Layout) -> str:

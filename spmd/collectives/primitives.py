@@ -28,7 +28,7 @@ import torch
 
 from ..comm import comm_of
 from ..core._context import RankContext, current, refuse_sparse
-from ..core._format import describe
+from ..core._format import axis_phrase, describe
 from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
@@ -492,5 +492,4 @@ def axis_size(axis_name: AxisName) -> int:
     return rc.mesh.axis_size(rc.mesh.check_axes(axis_name, "axis_size"))
 
 
-def _ax(axes: tuple[str, ...]) -> str:
-    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+_ax = axis_phrase

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..core._format import shape_str
+from ..core._format import axis_phrase, shape_str
 from ..core.errors import CommError, SpecError
 from ..core.mesh import Group
 from .base import REDUCE_OPS
@@ -153,7 +153,7 @@ def _mismatch(name: str, group: Group, head) -> str:
 
 
 def _axes(group: Group) -> str:
-    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+    return axis_phrase(group.axes)
 
 
 def _plan_row(mismatch: tuple | None) -> list[int]:

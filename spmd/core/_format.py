@@ -22,6 +22,11 @@ def shape_str(shape: Sequence[int], dtype: torch.dtype | None = None) -> str:
     return (dtype_str(dtype) if dtype is not None else "") + body
 
 
+def axis_phrase(axes: Sequence[str]) -> str:
+    """``axis 'sp'`` for one mesh axis, ``axes ('dp', 'sp')`` for several, in messages."""
+    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {tuple(axes)!r}"
+
+
 def describe(x: object) -> str:
     """What a value is, for error messages: ``f32[8, 16]`` for tensors, else its type."""
     if isinstance(x, torch.Tensor):

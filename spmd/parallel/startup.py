@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..comm import comm_of
-from ..core._format import shape_str
+from ..core._format import axis_phrase, shape_str
 from ..core.errors import SpecError
 from ..core.mesh import Group, Mesh
 
@@ -45,7 +45,7 @@ def _gather(mesh: Mesh, group: Group, vec: torch.Tensor, what: str) -> list[torc
 
 
 def _axes(group: Group) -> str:
-    return f"axis {group.axes[0]!r}" if len(group.axes) == 1 else f"axes {group.axes}"
+    return axis_phrase(group.axes)
 
 
 def _same_signature(mesh: Mesh, group: Group, count: int, sig: int, what: str) -> bool:

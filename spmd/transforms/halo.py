@@ -31,7 +31,7 @@ from ..collectives.vjp import custom_vjp
 from ..comm import comm_of, gather_ints
 from ..comm.base import Pending
 from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
-from ..core._format import describe
+from ..core._format import axis_phrase, describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 
@@ -266,7 +266,7 @@ def _width(width, what: str = "halo_pad") -> tuple[int, int]:
 def _axes_str(axes) -> str:
     if axes is None:
         return "an unsplit dim"
-    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+    return axis_phrase(axes)
 
 
 def _sizes(x: torch.Tensor, dim: int, group, rc: RankContext, sizes) -> tuple[int, ...]:

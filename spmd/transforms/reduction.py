@@ -19,7 +19,7 @@ from ..collectives.primitives import _psum
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
 from ..core._context import RankContext, on_mesh
-from ..core._format import describe, shape_str
+from ..core._format import axis_phrase, describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
@@ -252,8 +252,7 @@ def _sizes(sizes, x: torch.Tensor, spec, split: dict, rc: RankContext,
     return out
 
 
-def _ax(axes: tuple[str, ...]) -> str:
-    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+_ax = axis_phrase
 
 
 # -- the collectives --------------------------------------------------------------------------
