@@ -10,6 +10,7 @@ source line, the split dim and the fix.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -103,10 +104,13 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
     Args:
         model: the single-device model.
         mesh: the mesh.
-        spec: how the forward's tensor inputs are split: one ``P`` for all of them, or a
-            sequence with one ``P`` (or None: whole) per positional input.
-        example: the global input (a tensor), its global shape, or a tuple of those per
-            input: plan now, and raise now on a refusal (or print the plan with
+        spec: how the forward's tensor inputs are split: one ``P`` for all of them, a
+            sequence with one ``P`` (or None: whole) per positional input, or a dict from
+            the forward's parameter names to a ``P`` (or None), which reaches keyword
+            inputs too (``{"x": P("sp"), "key_padding_mask": P(None, "sp")}``); inputs
+            it does not name are whole.
+        example: the global input (a tensor), its global shape, a tuple of those per
+            input, or a dict of them by parameter name: plan now, and raise now on a refusal (or print the plan with
             ``report``). Only shapes and dtypes are used.
         types: ``{layer type: replacement type}``: layers swapped for a replacement
             (``from_torch(module, mesh, spec)``) that handles shards itself; the
@@ -173,7 +177,8 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
                 f"rank threads would each set them: call the model once on one device with "
                 f"a small input of the right channels first (model(torch.zeros(1, C, 8, "
                 f"8))), then convert it")
-    spec = _specs(spec, mesh)
+    params = _parameters(model)
+    spec = _specs(spec, mesh, params, type(model).__name__)
     allow = tuple(allow)
     allow_types = tuple(a for a in allow if isinstance(a, type) and issubclass(a, nn.Module))
     allow_funcs = frozenset(a for a in allow if not isinstance(a, type))
@@ -200,7 +205,7 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
             for parent, name, twin in swaps:
                 setattr(parent, name, twin)
     cfg = entry.Config(mesh, spec, type(new).__name__, allow_types, allow_funcs,
-                       replaced, strict)
+                       replaced, strict, tuple(n for n, kind in params if kind == "positional"))
 
     def opaque(m: nn.Module) -> bool:
         return isinstance(m, allow_types + replaced + (_Sharded,))
@@ -222,9 +227,36 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
 _SPECTRAL = (SpectralConv1d, SpectralConv2d, SpectralConv3d)
 
 
-def _specs(spec: Any, mesh: Mesh) -> Any:
+def _parameters(model: nn.Module) -> list[tuple[str, str]]:
+    """The forward's parameters (name, "positional" or "keyword"), ``*args`` and
+    ``**kwargs`` left out."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return []
+    kinds = {inspect.Parameter.POSITIONAL_ONLY: "positional",
+             inspect.Parameter.POSITIONAL_OR_KEYWORD: "positional",
+             inspect.Parameter.KEYWORD_ONLY: "keyword"}
+    return [(n, kinds[p.kind]) for n, p in sig.parameters.items() if p.kind in kinds]
+
+
+def _specs(spec: Any, mesh: Mesh, params: list[tuple[str, str]] = (), model: str = "") -> Any:
     if isinstance(spec, P):
         out = spec
+    elif isinstance(spec, Mapping):
+        names = [n for n, _ in params]
+        unknown = [k for k in spec if k not in names]
+        if unknown:
+            raise SpecError(f"convert: spec names {', '.join(map(repr, unknown))}, which "
+                            f"{model}.forward does not take (its parameters: "
+                            f"{', '.join(names) or 'none'}); a spec by name maps the "
+                            f"forward's parameter names to a P (or None: whole)")
+        out = {k: None if s is None else as_spec(s, f"convert: spec[{k!r}]")
+               for k, s in spec.items()}
+        for s in out.values():
+            for a in (s.axes if s is not None else ()):
+                mesh.check_axes(a, "convert: spec")
+        return out
     elif isinstance(spec, (tuple, list)):
         out = tuple(None if s is None else as_spec(s, f"convert: spec[{i}]")
                     for i, s in enumerate(spec))
@@ -237,13 +269,23 @@ def _specs(spec: Any, mesh: Mesh) -> Any:
 
 
 def _plan_example(model: nn.Module, cfg: entry.Config, example: Any) -> interpreter.Plan:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                 torch.get_default_dtype())
+
+    def meta(ex: Any, shp: Any) -> torch.Tensor:
+        dt = ex.dtype if isinstance(ex, torch.Tensor) else dtype
+        return torch.empty(shp, dtype=dt, device="meta")
+    if isinstance(example, Mapping):  # by the forward's parameter names
+        named = {k: meta(v, entry.example_shapes(v)[0]) for k, v in example.items()}
+        args = []
+        for n in cfg.params:  # the positional ones in order, as a caller passes them
+            if n not in named:
+                break
+            args.append(named.pop(n))
+        return cfg.plan(model, tuple(args), named, lambda a, e: list(a.shape),
+                        global_sizes=True)
     shapes = entry.example_shapes(example)
     tensors = example if isinstance(example, (tuple, list)) and not \
         entry.is_shape(example) else (example,)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()),
-                 torch.get_default_dtype())
-    args = []
-    for ex, shp in zip(tensors, shapes):
-        dt = ex.dtype if isinstance(ex, torch.Tensor) else dtype
-        args.append(torch.empty(shp, dtype=dt, device="meta"))
+    args = [meta(ex, shp) for ex, shp in zip(tensors, shapes)]
     return cfg.plan(model, tuple(args), {}, lambda a, e: list(a.shape), global_sizes=True)

@@ -36,8 +36,10 @@ class Config:
     plans made so far (one per input signature)."""
 
     def __init__(self, mesh: Mesh, spec: Any, name: str, allow_types: tuple,
-                 allow_funcs: frozenset, opaque: tuple, strict: bool = False):
+                 allow_funcs: frozenset, opaque: tuple, strict: bool = False,
+                 params: tuple[str, ...] = ()):
         self.mesh, self.spec, self.name = mesh, spec, name
+        self.params = params  # the forward's positional parameter names (spec by name)
         self.allow_types, self.allow_funcs, self.opaque = allow_types, allow_funcs, opaque
         self.strict = strict
         self.plans: dict[tuple, Plan] = {}
@@ -48,7 +50,7 @@ class Config:
 
     def __deepcopy__(self, memo: dict) -> Config:
         new = Config(self.mesh, self.spec, self.name, self.allow_types, self.allow_funcs,
-                     self.opaque, self.strict)
+                     self.opaque, self.strict, self.params)
         new.plans = dict(self.plans)
         return new
 
@@ -63,25 +65,31 @@ class Config:
 
     # -- specs of the inputs ----------------------------------------------------------------
 
-    def spec_for(self, i: int | None) -> P | None:
+    def spec_for(self, i: int | None, name: str | None = None) -> P | None:
+        """The spec of positional input ``i`` or of keyword input ``name``."""
         if isinstance(self.spec, P):
             return self.spec
+        if isinstance(self.spec, dict):
+            if name is None and i is not None and i < len(self.params):
+                name = self.params[i]
+            return self.spec.get(name)
         if i is None or i >= len(self.spec):
             return None
         return self.spec[i]
 
     def tag_inputs(self, args: tuple, kwargs: dict, make: Callable | None = None):
         """The inputs with their tags (aliases, so the caller's tensors are untouched)."""
-        def one(a: Any, i: int | None) -> Any:
+        def one(a: Any, i: int | None, name: str | None = None) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
             tag = tag_of(a)
             if tag is not None and tag.mesh is self.mesh and len(tag.entries) == a.ndim:
                 entries = tag.entries
             else:
-                spec = self.spec_for(i)
+                spec = self.spec_for(i, name)
                 if spec is not None and len(spec) > a.ndim:
-                    raise SpecError(f"convert: input {i} ({tuple(a.shape)}) has {a.ndim} dims "
+                    what = f"input {i}" if name is None else f"input {name!r}"
+                    raise SpecError(f"convert: {what} ({tuple(a.shape)}) has {a.ndim} dims "
                                     f"but its spec {spec!r} has {len(spec)} entries")
                 entries = entries_from_spec(spec, a.ndim) if spec is not None else \
                     (None,) * a.ndim
@@ -89,7 +97,7 @@ class Config:
             set_tag(t, self.mesh, entries)
             return t
         return (tuple(one(a, i) for i, a in enumerate(args)),
-                {k: one(v, None) for k, v in kwargs.items()})
+                {k: one(v, None, k) for k, v in kwargs.items()})
 
     # -- plans ---------------------------------------------------------------------------------
 
@@ -144,8 +152,13 @@ class Config:
             m = torch.empty(shapes(a, entries), dtype=a.dtype, device="meta")
             return m.requires_grad_(a.requires_grad) if m.is_floating_point() else m
         margs, mkwargs = self.tag_inputs(args, kwargs, make)
-        ins = [f"input {i}: {spec_of(entries_of(a, self.mesh))!r}" for i, a in enumerate(margs)
-               if isinstance(a, torch.Tensor)]
+        named = isinstance(self.spec, dict)
+        ins = [f"input {self.params[i]!r}" if named and i < len(self.params) else f"input {i}"
+               for i in range(len(margs))]
+        ins = [f"{n}: {spec_of(entries_of(a, self.mesh))!r}" for n, a in zip(ins, margs)
+               if isinstance(a, torch.Tensor)] + [
+            f"input {k!r}: {spec_of(entries_of(a, self.mesh))!r}" for k, a in mkwargs.items()
+            if isinstance(a, torch.Tensor)]
         plan = Plan(self.name, ins or ["no tensor inputs"], global_sizes=global_sizes)
         run = _Run(self, planning=True, plan=plan, sizes=sizes)
         run.start()

@@ -432,6 +432,50 @@ def test_several_inputs_with_their_own_specs_and_a_2d_mesh():
     assert_matches_single_device(conv, model, mesh, (s, s), s, x, y)
 
 
+class SequenceFirst(nn.Module):
+    """nn.MultiheadAttention in its default (L, N, E) layout with a (N, L) padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.att = nn.MultiheadAttention(8, 2).double()
+
+    def forward(self, x, key_padding_mask=None):
+        return self.att(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def test_a_spec_per_input_by_name_reaches_a_keyword_padding_mask():
+    mesh = spmd.Mesh((4,), ("sp",))
+    model = SequenceFirst()
+    specs = {"x": P("sp"), "key_padding_mask": P(None, "sp")}
+    conv = spmd.nn.convert(model, mesh, specs, example={"x": (37, 2, 8),
+                                                        "key_padding_mask": (2, 37)})
+    assert "input 'x': P('sp'), input 'key_padding_mask': P(None, 'sp')" in str(conv.spmd_plan)
+    x = torch.randn(37, 2, 8, dtype=F64)
+    mask = torch.zeros(2, 37, dtype=torch.bool)
+    mask[0, 30:] = True  # the padding lies in the last rank's keys
+    assert_matches_single_device(conv, model, mesh, (P("sp"), P(None, "sp")), P("sp"), x, mask)
+    # passed by keyword, as a caller writes it
+    y = spmd.shard_map(lambda a, m: conv(a, key_padding_mask=m), mesh,
+                       (P("sp"), P(None, "sp")), P("sp"))(x, mask)
+    torch.testing.assert_close(y, model(x, key_padding_mask=mask), rtol=1e-10, atol=1e-10)
+
+
+def test_one_spec_for_a_mask_of_other_dims_is_refused_with_the_spec_by_name():
+    mesh = spmd.Mesh((2,), ("sp",))
+    conv = spmd.nn.convert(SequenceFirst(), mesh, P("sp"))  # splits the mask's batch
+    x, mask = torch.randn(9, 2, 8, dtype=F64), torch.zeros(2, 9, dtype=torch.bool)
+    with spmd.comm_stats() as stats, pytest.raises(
+            spmd.SpecError, match=r"key padding mask whose batch is not split .*"
+                                  r"'key_padding_mask': P\(None, 'sp'\)"):
+        spmd.shard_map(lambda a, m: conv(a, key_padding_mask=m), mesh,
+                       (P("sp"), P(None, "sp")), P("sp"))(x, mask)
+    assert stats.calls() == 0
+    with pytest.raises(spmd.SpecError, match=r"spec names 'mask', which SequenceFirst.forward "
+                                             r"does not take \(its parameters: x, "
+                                             r"key_padding_mask\)"):
+        spmd.nn.convert(SequenceFirst(), mesh, {"mask": P(None, "sp")})
+
+
 def test_bad_arguments():
     mesh = spmd.Mesh((2,), ("sp",))
     with pytest.raises(TypeError, match="model must be an nn.Module"):

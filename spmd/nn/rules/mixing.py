@@ -400,7 +400,8 @@ def multi_head_attention(c: Call) -> Any:
                  "split key and value like each other, and their batch like the query's")
     kpm, mask = a["key_padding_mask"], a["attn_mask"]
     if kpm is not None and kpm.ndim == 2 and c.ent(kpm)[0] != eb:
-        c.refuse("gets a key padding mask whose batch is not split like the query's")
+        c.refuse("gets a key padding mask whose batch is not split like the query's",
+                 _KPM_FIX)
     if mask is not None and mask.ndim == 3 and c.ent(mask)[0] != eb:
         c.refuse("gets a 3-d attn_mask whose N * num_heads dim is not split like the batch")
     out = (sq, eb, None) if batched else (sq, None)
@@ -429,8 +430,7 @@ def multi_head_attention(c: Call) -> Any:
     if kpm is not None:
         ke = c.ent(kpm)[-1]
         if ke and ke != sk:
-            c.refuse("gets a key padding mask split otherwise than the keys",
-                     "split it along the keys like them")
+            c.refuse("gets a key padding mask split otherwise than the keys", _KPM_FIX)
         kpm_split = bool(ke)
     dropped = a["is_causal"] and kpm is None  # torch's hint: the mask is not used
     if mask is not None and not dropped:
@@ -574,3 +574,8 @@ def pixel_shuffle(c: Call) -> Any:
             c.refuse(f"moves values between channels and positions, and {_where(d, e[d])}",
                      "there is no domain-parallel pixel shuffle yet")
     return c.out(c.call(), e)
+
+
+_KPM_FIX = ("a (batch, keys) mask is split along dim 1 like the keys: give convert a spec "
+            "per input by the forward's parameter names, e.g. {'x': P('sp'), "
+            "'key_padding_mask': P(None, 'sp')}")
