@@ -42,7 +42,7 @@ Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
 ``spmd.nn.convert`` to make a model domain-parallel; ``spmd.parallel.GradSync`` for
 per-rank training; ``spmd.testing`` to prove an op; the notebooks in ``notebooks/``.
 """
-from . import fft, nn, ops, parallel
+from . import fft, nn, ops, parallel, random
 from .collectives import (
     all_gather,
     all_to_all,
@@ -99,5 +99,5 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel", "fft",
-    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate",
+    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate", "random",
 ]
