@@ -25,9 +25,10 @@ the split of the tensor drawn (``spmd/nn/rules/draws.py``). Calls it cannot make
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +164,39 @@ def active() -> Stream | None:
     return s[-1] if s else None
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """spmd's own draws (a rank thread's seed) pass the invariant context by."""
+    prev = getattr(_local, "paused", False)
+    _local.paused = True
+    try:
+        yield
+    finally:
+        _local.paused = prev
+
+
+def fork() -> Stream | None:
+    """The stream active on this thread, for the rank threads a per-rank program starts
+    from it (``spmd.comm.rank_threads``)."""
+    return active()
+
+
+@contextlib.contextmanager
+def on_rank_thread(parent: Stream | None, rank: int) -> Iterator[None]:
+    """On a rank thread: a copy of the caller's stream (same seed, same draws so far), so
+    that ``with invariant(seed): shard_map(...)(x)`` draws on every rank as the body
+    would on one; rank 0's count goes back to the caller's stream."""
+    if parent is None:
+        yield
+        return
+    with Invariant(parent.seed, parent.draws) as copy:
+        try:
+            yield
+        finally:
+            if rank == 0:
+                parent.draws = copy.draws
+
+
 class Invariant:
     """``invariant(seed)``: the context manager (see ``invariant``)."""
 
@@ -195,8 +229,9 @@ def invariant(seed: int, draws: int = 0) -> Invariant:
     """Random draws that are a pure function of ``seed``, the draw's number and the global
     index of each element: the same on one device and on any mesh.
 
-    Enter it where the model runs: around a model on one device, in the per-rank code
-    (the ``shard_map`` body, the function ``spmd.launch`` runs) around a converted model.
+    Enter it where the model runs: around a model on one device; around the ``shard_map``
+    call of a converted model (its rank threads draw from copies of it) or in the per-rank
+    code (the body, the function ``spmd.launch`` runs, each process's own code).
     The ``as`` target's ``draws`` counts the draws so far: pass it back as ``draws=`` to
     resume (on another mesh, after a checkpoint) with the masks that would have come next.
 
@@ -225,7 +260,8 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in _HANDLERS and name not in RANDOM or _no_values(name, args, kwargs):
+        if name not in _HANDLERS and name not in RANDOM or _no_values(name, args, kwargs) \
+                or getattr(_local, "paused", False):
             return func(*args, **kwargs)
         if _context.converting() is True:
             raise SpecError(f"spmd.random.invariant: {name} is drawn inside a converted "

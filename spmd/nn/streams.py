@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..comm import comm_of
-from ..comm import rank_threads
+from .. import random as invariant
+from ..comm import comm_of, rank_threads
 from ..core import _context
 from ..core.errors import SpecError
 
@@ -74,7 +74,8 @@ def _agree(mesh: Any, rank: int) -> int:
     """Rank 0's draw of one int64, on every rank (one broadcast over the mesh)."""
     prev = _context.set_converting(False)
     try:
-        t = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=mesh.device)
+        with invariant.paused():
+            t = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=mesh.device)
         t = comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names, rank),
                                     name="convert: seed of the shared random streams")
         return int(t.item())

@@ -242,3 +242,18 @@ def test_replicated_draws_agree_on_processes_world2(gloo2):
         return net.head(h) * (1 + t[:, None] / 1000)
     _same((y, gx, gp), _grads(net, one, x))
     _same((y, gx, gp), other[:1] + other[3:])
+
+
+def test_invariant_entered_around_shard_map_reaches_every_rank_thread():
+    net = _net(lambda m, x: F.dropout(m.layers[0](x) + 5.0, 0.5), width=2)
+    x = torch.randn(1, 1, 13, 4, dtype=torch.float64)
+    mesh = spmd.Mesh((4,), ("sp",))
+    conv = spmd.nn.convert(net, mesh, H)
+    with spmd.random.invariant(3) as s:
+        a = spmd.shard_map(conv, mesh, H, H)(x)
+        b = spmd.shard_map(conv, mesh, H, H)(x)
+    with spmd.random.invariant(3):
+        want = net(x), net(x)
+    assert s.draws == 2
+    torch.testing.assert_close(a, want[0], **TOL)
+    torch.testing.assert_close(b, want[1], **TOL)
