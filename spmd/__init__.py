@@ -21,6 +21,8 @@ Start with five names:
 The layers, each importing only the ones listed before it:
 
     core/         Mesh, P, Layout, Placeholder, errors: pure data and arithmetic
+    random        invariant(seed): random draws that are the same on one device and on
+                  any mesh (a function of the seed, the draw and the global index)
     comm/         the communication protocol, its threads and torch.distributed backends,
                   comm_stats
     collectives/  psum, all_gather, ppermute, ... with their transposes; custom_vjp

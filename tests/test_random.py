@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import spmd
 from spmd.core.errors import SpecError
-from spmd.random import bits, draw_key, global_index, local_index, mix64, uniform
+from spmd.random.hashing import bits, draw_key, global_index, local_index, mix64, uniform
 
 N = 1 << 16
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ... import random as invariant
+from ...random import calls, hashing
 from .._tags import LocalSize, entries_of, plain, spec_of
 from .. import streams
 from ._base import Call, _arg, _tensors, broadcast, share
@@ -76,26 +77,30 @@ def _entries(c: Call) -> tuple[tuple, int]:
     else:
         e = c.ent(ts[0]) if ts else ()
     feature = _FEATURE.get(c.name)
-    return e, invariant.feature_dims(len(e), feature) if feature else len(e)
+    return e, calls.feature_dims(len(e), feature) if feature else len(e)
 
 
 def _key(c: Call, entries: tuple) -> tuple | None:
     """The group key of this rank for a draw split like ``entries`` (its coordinates
     along the split axes), or None where every rank holds its own block."""
-    axes = {a for e in entries if e for a in e}
-    mesh = c.mesh
-    if all(n in axes or s == 1 for n, s in zip(mesh.axis_names, mesh.shape)):
+    if not _shares(c, entries):
         return None
+    mesh = c.mesh
+    axes = {a for e in entries if e for a in e}
     coords = mesh.coords(streams.rank_of(c.run)) if axes else ()
     return tuple((n, coords[k]) for k, n in enumerate(mesh.axis_names) if n in axes)
+
+
+def _shares(c: Call, entries: tuple) -> bool:
+    """Whether several ranks hold the same block of a draw split like ``entries``."""
+    axes = {a for e in entries if e for a in e}
+    return not all(n in axes or s == 1 for n, s in zip(c.mesh.axis_names, c.mesh.shape))
 
 
 def _shared_refused(c: Call, entries: tuple) -> str:
     """Why a shared draw cannot run here (planning), or ''."""
     mesh = c.mesh
-    axes = {a for e in entries if e for a in e}
-    shared = not all(n in axes or s == 1 for n, s in zip(mesh.axis_names, mesh.shape))
-    if shared and mesh.backend == "threads" and mesh.size > 1 and mesh.rng == "shared":
+    if _shares(c, entries) and mesh.backend == "threads" and mesh.size > 1 and mesh.rng == "shared":
         return ("draws a value several ranks hold alike, and the threads mesh has "
                 "rng='shared': its rank threads draw from torch's one generator in "
                 "whatever order they run, so they would draw different numbers")
@@ -108,7 +113,7 @@ _SHARED_FIX = "use Mesh(..., rng='per_rank') (the default)"
 def replicated(run: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
     """A random call none of whose arguments is split: every rank draws the same."""
     name = getattr(func, "__name__", "")
-    if invariant.draws_nothing(name, args, kwargs) or run.mesh.size == 1:
+    if calls.draws_nothing(name, args, kwargs) or run.mesh.size == 1:
         return run.execute(func, args, kwargs)
     c = Call(run, func, name, args, kwargs)
     if run.planning:
@@ -141,13 +146,17 @@ def rule_for(name: str, base: Callable) -> Callable:
     base = _BASES.get(name, base)
 
     def rule(c: Call) -> Any:
-        if invariant.draws_nothing(name, c.args, c.kwargs):
+        if calls.draws_nothing(name, c.args, c.kwargs):
             return base(c)
         entries, lead = _entries(c)
         if c.planning:
             problem = _shared_refused(c, entries[:lead])
             if problem:
                 c.refuse(problem, _SHARED_FIX)
+            if _shares(c, entries[:lead]):
+                c.record("swapped", "(sample, channel) mask -> the stream the ranks share"
+                         if name in _FEATURE else "drawn alike by the ranks holding the same "
+                         "block -> the stream they share")
             return base(c)
         inv = invariant.active()
         if inv is not None:
@@ -166,12 +175,12 @@ def _invariant(c: Call, inv: invariant.Stream, entries: tuple) -> Any:
     def index_of(shape, device, lead):
         e = tuple(entries[:lead]) + (None,) * (len(shape) - lead)
         if not any(e):
-            return invariant.local_index(shape, device)
+            return hashing.local_index(shape, device)
         from ...ops._window import input_layout
         probe = torch.empty((), device=device).expand(tuple(shape))
         rc, lay = c.call(lambda t: input_layout(t, c.mesh, spec_of(e), "convert"),
                          (probe,), {})
-        return invariant.global_index(shape, lay.shape, lay.offsets(rc.rank), device)
+        return hashing.global_index(shape, lay.shape, lay.offsets(rc.rank), device)
     args = tuple(plain(a) for a in c.args)
     kwargs = {k: plain(v) for k, v in c.kwargs.items()}
     res = inv.apply(c.func, c.name, args, kwargs, index_of)
@@ -197,7 +206,7 @@ def _feature_dropout(c: Call) -> Any:
     p = float(_arg(c, "p", 1, 0.5))
     if not _arg(c, "training", 2, True) or p == 0:
         return same(c)
-    lead = invariant.feature_dims(x.ndim, _FEATURE[c.name])
+    lead = calls.feature_dims(x.ndim, _FEATURE[c.name])
     if not any(e[lead:]):
         return same(c)
     inplace = bool(_arg(c, "inplace", 3, False))
@@ -206,7 +215,7 @@ def _feature_dropout(c: Call) -> Any:
     def drop(t: torch.Tensor) -> torch.Tensor:
         shape = tuple(t.shape[:lead]) + (1,) * (t.ndim - lead)
         keep = torch.empty(shape, dtype=torch.float32, device=t.device).bernoulli_(1 - p)
-        return invariant.apply_mask(t, keep.bool(), p, alpha, inplace)
+        return calls.apply_mask(t, keep.bool(), p, alpha, inplace)
     return c.out(c.call(drop, (x,), {}), e)
 
 
