@@ -181,17 +181,35 @@ def _invariant_run(mesh, net, x, seed=3):
     return conv, _grads(conv, spmd.shard_map(body, mesh, H, H), x)
 
 
-@pytest.mark.parametrize("size", [4, 2])
-def test_under_invariant_a_converted_model_equals_one_device(size):
-    """H = 37: [10, 9, 9, 9] rows on 4 ranks, [19, 18] on 2."""
+@pytest.mark.parametrize("size,h", [(4, 37), (2, 37), (4, 3)])
+def test_under_invariant_a_converted_model_equals_one_device(size, h):
+    """H = 37: [10, 9, 9, 9] rows on 4 ranks, [19, 18] on 2; H = 3: [1, 1, 1, 0]."""
     net = _net(_split_draws, width=4)
-    x = torch.randn(2, 1, 37, 6, dtype=torch.float64)
+    x = torch.randn(2, 1, h, 6, dtype=torch.float64)
     _, got = _invariant_run(spmd.Mesh((size,), ("sp",)), net, x)
 
     def one(x):
         with spmd.random.invariant(3):
             return net(x)
     _same(got, _grads(net, one, x))
+
+
+def test_under_invariant_a_2d_mesh_equals_one_device():
+    """Samples split over 'dp' and rows over 'sp': global indices along both."""
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    spec = P("dp", None, "sp")
+    net = _net(_split_draws, width=2)
+    conv = spmd.nn.convert(net, mesh, spec)
+    x = torch.randn(3, 1, 7, 4, dtype=torch.float64)
+
+    def body(x):
+        with spmd.random.invariant(11):
+            return conv(x)
+
+    def one(x):
+        with spmd.random.invariant(11):
+            return net(x)
+    _same(_grads(conv, spmd.shard_map(body, mesh, spec, spec), x), _grads(net, one, x))
 
 
 def test_under_invariant_two_meshes_draw_the_same_masks():
@@ -257,3 +275,11 @@ def test_invariant_entered_around_shard_map_reaches_every_rank_thread():
     assert s.draws == 2
     torch.testing.assert_close(a, want[0], **TOL)
     torch.testing.assert_close(b, want[1], **TOL)
+
+
+def test_a_shared_draw_from_a_generator_of_its_own_is_refused():
+    g = torch.Generator()
+    net = _net(lambda m, x: m.layers[0](x) + torch.rand(1, generator=g, dtype=x.dtype))
+    with pytest.raises(spmd.SpecError, match="torch.rand draws a value several ranks hold "
+                       "alike from the generator= it is given.*leave generator= out"):
+        spmd.nn.convert(net, spmd.Mesh((2,), ("sp",)), H, example=(1, 1, 6, 4))

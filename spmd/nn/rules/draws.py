@@ -100,6 +100,9 @@ def _shares(c: Call, entries: tuple) -> bool:
 def _shared_refused(c: Call, entries: tuple) -> str:
     """Why a shared draw cannot run here (planning), or ''."""
     mesh = c.mesh
+    if _shares(c, entries) and c.kwargs.get("generator") is not None:
+        return ("draws a value several ranks hold alike from the generator= it is given, "
+                "which each rank advances on its own")
     if _shares(c, entries) and mesh.backend == "threads" and mesh.size > 1 and mesh.rng == "shared":
         return ("draws a value several ranks hold alike, and the threads mesh has "
                 "rng='shared': its rank threads draw from torch's one generator in "
@@ -107,7 +110,8 @@ def _shared_refused(c: Call, entries: tuple) -> str:
     return ""
 
 
-_SHARED_FIX = "use Mesh(..., rng='per_rank') (the default)"
+_SHARED_FIX = ("leave generator= out, and use Mesh(..., rng='per_rank') (the default): "
+               "convert draws it from a stream the ranks share")
 
 
 def replicated(run: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
