@@ -149,6 +149,16 @@ def test_calls_without_an_invariant_version_are_refused():
         torch.rand(3, generator=g)
 
 
+def test_calls_that_draw_nothing_pass():
+    x = torch.randn(2, 3, 4, 5)
+    with spmd.random.invariant(0) as s:
+        torch.testing.assert_close(F.rrelu(x), F.leaky_relu(x, (1 / 8 + 1 / 3) / 2))
+        F.scaled_dot_product_attention(x, x, x)
+        F.dropout(x, 0.0)
+        torch.randn(3, device="meta")
+    assert s.draws == 0
+
+
 def test_bad_seeds_are_refused():
     with pytest.raises(TypeError, match="seed must be an int >= 0"):
         spmd.random.invariant(-1)

@@ -16,12 +16,14 @@ __all__ = ["HANDLERS", "RANDOM", "draws_nothing", "feature_dims", "apply_mask"]
 
 def draws_nothing(name: str, args: tuple, kwargs: dict) -> bool:
     """Whether a random call draws nothing: dropout in eval mode or with p=0, attention
-    without dropout."""
+    without dropout, rrelu in eval mode."""
     if name == "scaled_dot_product_attention":
         return not _arg(args, kwargs, 4, ("dropout_p",), 0.0)
     if name == "multi_head_attention_forward":
         return not (_arg(args, kwargs, 10, ("dropout_p",), 0.0) and
                     _arg(args, kwargs, 13, ("training",), True))
+    if name in ("rrelu", "rrelu_"):  # random slopes in training only
+        return not _arg(args, kwargs, 3, ("training",), False)
     if "dropout" in name and name != "native_dropout":
         return not _arg(args, kwargs, 2, ("training", "train"), True) or \
             not _arg(args, kwargs, 1, ("p",), 0.5)

@@ -283,3 +283,33 @@ def test_a_shared_draw_from_a_generator_of_its_own_is_refused():
     with pytest.raises(spmd.SpecError, match="torch.rand draws a value several ranks hold "
                        "alike from the generator= it is given.*leave generator= out"):
         spmd.nn.convert(net, spmd.Mesh((2,), ("sp",)), H, example=(1, 1, 6, 4))
+
+
+class SplitDraws(nn.Module):
+    """Dropout, channel dropout and noise on split activations."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x)) + 1.0
+        return F.dropout(h, 0.5) + F.dropout2d(h, 0.5) * torch.randn_like(h)
+
+
+def _invariant_per_process(mesh, net, x):
+    conv = spmd.nn.convert(net, mesh, H)
+    with spmd.random.invariant(5):
+        return spmd.shard_map(conv, mesh, H, H)(x).detach()
+
+
+@pytest.mark.gloo
+def test_under_invariant_processes_equal_one_device_world2(gloo2):
+    torch.manual_seed(0)
+    net = SplitDraws().double()
+    x = torch.randn(2, 1, 9, 4, dtype=torch.float64)
+    a, b = gloo2.run(_invariant_per_process, (2,), ("sp",), args=(net, x))
+    with spmd.random.invariant(5):
+        want = net(x)
+    torch.testing.assert_close(a, want, **TOL)
+    assert torch.equal(a, b)
