@@ -77,12 +77,13 @@ def test_dropout_after_a_mean_is_one_mask_and_its_gradient_is_exact(size, h):
 
 
 def _diffusion(m, x):
-    """A diffusion step's draws: timesteps, noise and a rand_like of a replicated value."""
+    """A diffusion step's draws: timesteps, noise, a rand_like of a replicated value and
+    an in-place draw."""
     b = x.shape[0]
     t = torch.randint(0, 1000, (b,))
     noise = torch.randn(b, 3, dtype=x.dtype)
     h = torch.relu(m.layers[0](x)).mean((2, 3))
-    u = torch.rand_like(h)
+    u = torch.rand_like(h) + torch.empty_like(h).uniform_(-1, 1)
     y = m.layers[1](h + noise * t[:, None] / 1000 + u)
     return y, t, noise, u
 
@@ -313,3 +314,29 @@ def test_under_invariant_processes_equal_one_device_world2(gloo2):
         want = net(x)
     torch.testing.assert_close(a, want, **TOL)
     assert torch.equal(a, b)
+
+
+def test_invariant_entered_inside_a_converted_forward_is_refused():
+    def f(m, x):
+        with spmd.random.invariant(0):
+            return F.dropout(x, 0.5)
+    mesh = spmd.Mesh((2,), ("sp",))
+    conv = spmd.nn.convert(Fn(f), mesh, H)
+    with pytest.raises(spmd.SpecError, match="dropout is drawn inside a converted forward "
+                       "under a context entered inside it; enter invariant\\(...\\) around"):
+        spmd.shard_map(conv, mesh, H, H)(torch.ones(1, 1, 6, 4))
+
+
+class Noisy(nn.Module):
+    def forward(self, x):
+        return x + torch.rand_like(x)
+
+
+def test_under_invariant_a_draw_in_a_layer_convert_does_not_look_into_is_refused():
+    mesh = spmd.Mesh((2,), ("sp",))
+    conv = spmd.nn.convert(nn.Sequential(Noisy()), mesh, H, allow=(Noisy,))
+    spmd.shard_map(conv, mesh, H, H)(torch.ones(1, 1, 6, 4))  # each rank its own: allowed
+    with spmd.random.invariant(0), pytest.raises(
+            spmd.SpecError, match="rand_like is drawn inside a layer convert does not look "
+            "into \\(allow=, types=\\).*would draw by this rank's local indices"):
+        spmd.shard_map(conv, mesh, H, H)(torch.ones(1, 1, 6, 4))
