@@ -38,7 +38,8 @@ _RANDOM = frozenset({
     "poisson", "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
     "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
     "native_dropout", "binomial", "_standard_gamma", "_sample_dirichlet",
-    "scaled_dot_product_attention", "multi_head_attention_forward", "kaiming_uniform_"})
+    "scaled_dot_product_attention", "multi_head_attention_forward", "kaiming_uniform_"}) \
+    | _invariant.RANDOM  # feature_dropout, nn.init's other functions, ...
 _rng_lock = threading.Lock()
 # The shared generator's state as the last rank draw left it (guarded by _rng_lock). A
 # rank draw that finds it changed knows that code on some thread drew from or seeded
