@@ -169,8 +169,8 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in HANDLERS and name not in RANDOM or _no_values(name, args, kwargs) \
-                or getattr(_local, "paused", False):
+        if name not in RANDOM or getattr(_local, "paused", False) or \
+                _no_values(name, args, kwargs):
             return func(*args, **kwargs)
         if _context.converting() is True:
             raise SpecError(f"spmd.random.invariant: {name} is drawn inside a converted "
@@ -186,7 +186,6 @@ def _no_values(name: str, args: tuple, kwargs: dict) -> bool:
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in list(args) + list(kwargs.values())):
         return True
     return draws_nothing(name, args, kwargs)
-
 
 
 def _refusal(name: str, why: str) -> str:
