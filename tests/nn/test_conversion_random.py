@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _modules import Fn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import spmd
@@ -193,6 +195,26 @@ def test_under_invariant_a_converted_model_equals_one_device(size, h):
         with spmd.random.invariant(3):
             return net(x)
     _same(got, _grads(net, one, x))
+
+
+@settings(max_examples=15)
+@given(ranks=st.integers(1, 4), h=st.integers(1, 12), w=st.integers(1, 5),
+       seed=st.integers(0, 2 ** 62))
+def test_under_invariant_any_mesh_and_layout_equals_one_device(ranks, h, w, seed):
+    """Balanced splits of 1-12 rows over 1-4 ranks (empty shards where h < ranks)."""
+    if not _NET:
+        _NET.append(_net(_split_draws, width=2))
+    net = _NET[0]
+    x = torch.randn(2, 1, h, w, dtype=torch.float64)
+    _, got = _invariant_run(spmd.Mesh((ranks,), ("sp",)), net, x, seed)
+
+    def one(x):
+        with spmd.random.invariant(seed):
+            return net(x)
+    _same(got, _grads(net, one, x))
+
+
+_NET: list = []  # one model for all examples (made at the first)
 
 
 def test_under_invariant_a_2d_mesh_equals_one_device():
