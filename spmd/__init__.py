@@ -21,6 +21,8 @@ Start with five names:
 The layers, each importing only the ones listed before it:
 
     core/         Mesh, P, Layout, Placeholder, errors: pure data and arithmetic
+    random        invariant(seed): random draws that are the same on one device and on
+                  any mesh (a function of the seed, the draw and the global index)
     comm/         the communication protocol, its threads and torch.distributed backends,
                   comm_stats
     collectives/  psum, all_gather, ppermute, ... with their transposes; custom_vjp
@@ -42,7 +44,7 @@ Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
 ``spmd.nn.convert`` to make a model domain-parallel; ``spmd.parallel.GradSync`` for
 per-rank training; ``spmd.testing`` to prove an op; the notebooks in ``notebooks/``.
 """
-from . import fft, nn, ops, parallel
+from . import fft, nn, ops, parallel, random
 from .collectives import (
     all_gather,
     all_to_all,
@@ -99,5 +101,5 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel", "fft",
-    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate",
+    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate", "random",
 ]

@@ -10,10 +10,11 @@ import spmd.nn
 import spmd.ops
 import spmd.parallel
 import spmd.perf
+import spmd.random
 import spmd.testing
 
 PACKAGES = [spmd, spmd.ops, spmd.fft, spmd.nn, spmd.parallel, spmd.checkpoint, spmd.testing,
-            spmd.testing.strategies, spmd.perf]
+            spmd.testing.strategies, spmd.perf, spmd.random]
 
 
 def _public():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .. import random as _invariant
 from ..core._context import RankContext
 from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, tag_rank
 from ..core.mesh import Mesh
@@ -37,7 +38,8 @@ _RANDOM = frozenset({
     "poisson", "gumbel_softmax", "fractional_max_pool2d", "fractional_max_pool3d",
     "fractional_max_pool2d_with_indices", "fractional_max_pool3d_with_indices",
     "native_dropout", "binomial", "_standard_gamma", "_sample_dirichlet",
-    "scaled_dot_product_attention", "multi_head_attention_forward", "kaiming_uniform_"})
+    "scaled_dot_product_attention", "multi_head_attention_forward", "kaiming_uniform_"}) \
+    | _invariant.RANDOM  # feature_dropout, nn.init's other functions, ...
 _rng_lock = threading.Lock()
 # The shared generator's state as the last rank draw left it (guarded by _rng_lock). A
 # rank draw that finds it changed knows that code on some thread drew from or seeded
@@ -156,7 +158,8 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
         batch = _Batch(mesh, fn, comm, comm.begin())
         # one draw of the caller's generator seeds every rank's own (reproducible)
         if rank_rng and mesh.size > 1:
-            batch.seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+            with _invariant.paused():  # not one of the program's draws
+                batch.seed = int(torch.randint(0, 2 ** 62, (1,)).item())
             with _rng_lock:
                 _left[0] = torch.get_rng_state()
         workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
@@ -198,6 +201,7 @@ class _Batch:
         self.errors: list[tuple[float, int, BaseException]] = []
         self.running = set(range(1, mesh.size))  # worker ranks not finished yet
         self.seed: int | None = None
+        self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         # Raw locks, not a Condition: a hand-off costs microseconds, not tens of them.
         self._lock = _thread.allocate_lock()
         self._wake = _thread.allocate_lock()  # released when a worker finishes or fails
@@ -209,7 +213,8 @@ class _Batch:
         prev = getattr(_tls, "run", None)
         _tls.run = (self.comm, self.generation)
         try:
-            with RankContext(self.mesh, rank), _rank_random(self.seed, rank):
+            with RankContext(self.mesh, rank), _rank_random(self.seed, rank), \
+                    _invariant.on_rank_thread(self.stream, rank):
                 self.results[rank] = self.fn(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             with self._lock:

@@ -67,6 +67,11 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       tokens per rank) keeps it split; a whole tensor as long as a split dim's global
       size, combined elementwise with a split one (a learned positional table added to
       split tokens), is cut to this rank's part (one size exchange, at the first call);
+    - random draws whose result several ranks hold alike (``nn.Dropout`` after a mean
+      over split dims, a timestep ``torch.randint(0, 1000, (b,))``, ``nn.Dropout2d``'s
+      channel mask on split dims) come from a stream those ranks share; a draw on a
+      tensor split over every mesh axis is each rank's own; under
+      ``spmd.random.invariant(seed)`` each is a function of the global index;
     - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
       ``cat`` along it, a ``flatten`` that puts it behind another dim, a matmul over it,
       an FFT over it, ``F.unfold``'s patches across it, ``F.interpolate`` with

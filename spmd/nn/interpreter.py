@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import _context
 from ..core.errors import SpecError
 from . import rules
+from .rules import draws
 from ._tags import (
     LocalFloat,
     LocalSize,
@@ -301,8 +302,10 @@ class _Run:
         return self._call(func, args, kwargs)
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        random = draws.is_random(rules.op_name(func))
         if self.suspended:
-            return self.execute(func, args, kwargs)
+            return draws.opaque(self, func, args, kwargs) if random else \
+                self.execute(func, args, kwargs)
         split, poisoned = self._inspect(args, kwargs)
         if self.sizes is not None:
             problem = self.sizes.see(self, func, args, kwargs, poisoned)
@@ -314,8 +317,9 @@ class _Run:
             res = self.execute(func, args, kwargs)
             self._poison(res)
             return res
-        if not split:
-            return self.execute(func, args, kwargs)
+        if not split:  # a random draw here is the same on every rank: a shared stream
+            return draws.replicated(self, func, args, kwargs) if random else \
+                self.execute(func, args, kwargs)
         if not args and "input" in kwargs:  # F.conv2d(input=x, ...): rules read args[0]
             kwargs = dict(kwargs)
             args = (kwargs.pop("input"),)
@@ -328,6 +332,8 @@ class _Run:
             self.tag(res, rules.like_input(c, first) if first is not None else None)
             return res
         rule = rules.rule_for(name) or rules.unknown
+        if random:  # its stream: the rank's own, or one the ranks holding it alike share
+            rule = draws.rule_for(name, rule)
         n = len(self.plan.entries) if self.plan is not None else 0
         try:
             res = rule(c)

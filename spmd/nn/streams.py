@@ -1,0 +1,126 @@
+"""The random streams the ranks of a converted model share, for draws whose result is the
+same on several ranks (replicated, or split over some mesh axes only).
+
+Every rank keeps, per converted model, one generator per *group key*: the coordinates of
+the rank along the mesh axes the draw is split over (none for a replicated draw). Ranks
+that hold the same block of the result have the same key; their generators start from the
+same seed and advance alike, because every rank makes the same draws in the same order
+(the forward is one program, and its plan is the same on every rank). The seed comes
+from one value agreed at the model's first such draw: every rank draws an int64 from its
+own generator (the process's, or a rank thread's) and rank 0's is broadcast (8 bytes,
+once per converted model and process). A draw is run with its group's generator state
+swapped in for the rank's default one, so torch's own kernels (dropout, ``rand``,
+``x.uniform_()``) draw it, and the rank's own stream is left where it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .. import random as invariant
+from ..comm import comm_of, rank_threads
+from ..core import _context
+from ..core.errors import SpecError
+
+__all__ = ["use", "rank_of"]
+
+_lock = threading.Lock()
+_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Config -> {rank: _Streams}
+
+
+class _Streams:
+    """One rank's generators for one converted model, by group key and device."""
+
+    def __init__(self, base: int):
+        self.base = base
+        self.gens: dict[tuple, torch.Generator] = {}
+
+    def generator(self, key: tuple, device: torch.device) -> torch.Generator:
+        k = (key, device.type, device.index)
+        g = self.gens.get(k)
+        if g is None:
+            h = hashlib.blake2b(repr((self.base, key)).encode(), digest_size=8).digest()
+            g = torch.Generator(device=device)
+            g.manual_seed(int.from_bytes(h, "little") >> 1)
+            self.gens[k] = g
+        return g
+
+
+def rank_of(run: Any) -> int:
+    prev = _context.set_converting(False)
+    try:
+        return _context.current("convert").rank
+    finally:
+        _context.set_converting(prev)
+
+
+def _of(run: Any, rank: int) -> _Streams:
+    with _lock:
+        s = _streams.setdefault(run.cfg, {}).get(rank)
+    if s is None:
+        s = _Streams(_agree(run.mesh, rank))
+        with _lock:
+            _streams[run.cfg][rank] = s
+    return s
+
+
+def _agree(mesh: Any, rank: int) -> int:
+    """Rank 0's draw of one int64, on every rank (one broadcast over the mesh)."""
+    prev = _context.set_converting(False)
+    try:
+        with invariant.paused():
+            t = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=mesh.device)
+        t = comm_of(mesh).broadcast(t, 0, mesh.group(mesh.axis_names, rank),
+                                    name="convert: seed of the shared random streams")
+        return int(t.item())
+    finally:
+        _context.set_converting(prev)
+
+
+def _get(device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device.type).get_rng_state(device)
+
+
+def _set(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        torch.get_device_module(device.type).set_rng_state(state, device)
+
+
+@contextlib.contextmanager
+def use(run: Any, key: tuple, device: torch.device) -> Iterator[None]:
+    """Random calls inside draw from the group ``key``'s generator (this rank's copy)."""
+    s = _of(run, rank_of(run))
+    g = s.generator(key, device)
+    mode = getattr(rank_threads._active, "mode", None)  # a rank thread's own generator
+    if mode is not None and device.type == "cpu":
+        saved, mode.state = mode.state, g.get_state()
+        try:
+            yield
+        finally:
+            g.set_state(mode.state)
+            mode.state = saved
+        return
+    if run.mesh.backend == "threads" and run.mesh.size > 1:
+        raise SpecError(
+            f"convert: a random draw on {device} replicated over ranks of a threads mesh "
+            f"needs each rank thread's own generator, which spmd keeps for the CPU only "
+            f"(and with the mesh's rng='per_rank'); draw it on the CPU, or outside the "
+            f"converted forward")
+    with _lock:  # processes: this process's generator, swapped
+        saved = _get(device)
+        _set(device, g.get_state())
+    try:
+        yield
+    finally:
+        g.set_state(_get(device))
+        _set(device, saved)

@@ -1,0 +1,197 @@
+"""Mesh-invariant random numbers: every value a pure function of (seed, draw, global index).
+
+Under ``with spmd.random.invariant(seed):`` each random call (a dropout mask,
+``torch.rand``, ``randn``, ``randint``, ``bernoulli``, ``x.uniform_()``, ...) is the
+``k``-th *draw* of the context, and the value it puts at an element is a hash of the seed,
+``k`` and the element's index in the global tensor, as JAX's partitionable threefry does.
+So a model run on one device and the same model converted (``spmd.nn.convert``) on any
+mesh, uneven or with empty shards, draw the same numbers; a run resumed on another mesh
+replays the same masks from the same ``seed`` and ``draws``.
+
+The hash is splitmix64's finalizer applied twice (to ``index * golden + k1``, then to that
+xor ``k2``, the two keys mixed from the seed and the draw number) in int64 torch ops,
+which wrap as unsigned arithmetic does: 64 bits per element, a bijection of the index for
+each draw. Uniform floats take the top 53 bits (float64), 24 (float32), 11 (float16) or 8
+(bfloat16), so they are exact multiples of ``2**-bits`` in [0, 1); normals are
+Box-Muller of two uniforms in float64, then cast; integers are the top 63 bits modulo the
+range (bias below ``range / 2**63``). Numbers are the same on every device type up to the
+last bit of ``log``/``cos`` (normals), bit for bit otherwise.
+
+On one device the context pushes a ``TorchFunctionMode`` that replaces the random calls
+(global index = local index); a converted forward computes each rank's global indices from
+the split of the tensor drawn (``spmd/nn/rules/draws.py``). Calls it cannot make invariant
+(``multinomial``, ``rrelu``, attention dropout, ``nn.init``'s functions, a
+``generator=``) raise a ``SpecError`` rather than draw from another stream.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..core import _context
+from ..core.errors import SpecError
+from .calls import HANDLERS, RANDOM, _Draw, draws_nothing
+from .hashing import IndexOf, bits, draw_key, local_index, uniform
+
+__all__ = ["invariant", "Invariant", "Stream", "draw_key", "bits", "uniform", "RANDOM"]
+
+_local = threading.local()
+
+
+class Stream:
+    """The state of one entered ``invariant`` context: its seed and draws so far."""
+
+    def __init__(self, seed: int, draws: int):
+        self.seed, self.draws = seed, draws
+
+    def next_key(self) -> int:
+        """The next draw's key (``draw_key(seed, draws)``); counts the draw."""
+        key = draw_key(self.seed, self.draws)
+        self.draws += 1
+        return key
+
+    def apply(self, func: Callable, name: str, args: tuple, kwargs: dict,
+              index_of: IndexOf = local_index) -> Any:
+        """Run the random call ``func`` as this stream's next draw."""
+        handler = HANDLERS.get(name)
+        if handler is None or kwargs.get("generator") is not None:
+            raise SpecError(_refusal(name, "generator=" if handler else ""))
+        return handler(_Draw(self.next_key(), index_of), args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"Stream(seed={self.seed}, draws={self.draws})"
+
+
+def active() -> Stream | None:
+    """The innermost ``invariant`` stream entered on this thread, or None."""
+    s = getattr(_local, "streams", None)
+    return s[-1] if s else None
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """spmd's own draws (a rank thread's seed) pass the invariant context by."""
+    prev = getattr(_local, "paused", False)
+    _local.paused = True
+    try:
+        yield
+    finally:
+        _local.paused = prev
+
+
+def fork() -> Stream | None:
+    """The stream active on this thread, for the rank threads a per-rank program starts
+    from it (``spmd.comm.rank_threads``)."""
+    return active()
+
+
+@contextlib.contextmanager
+def on_rank_thread(parent: Stream | None, rank: int) -> Iterator[None]:
+    """On a rank thread: a copy of the caller's stream (same seed, same draws so far), so
+    that ``with invariant(seed): shard_map(...)(x)`` draws on every rank as the body
+    would on one; rank 0's count goes back to the caller's stream."""
+    if parent is None:
+        yield
+        return
+    with Invariant(parent.seed, parent.draws) as copy:
+        try:
+            yield
+        finally:
+            if rank == 0:
+                parent.draws = copy.draws
+
+
+class Invariant:
+    """``invariant(seed)``: the context manager (see ``invariant``)."""
+
+    def __init__(self, seed: int, draws: int = 0):
+        for what, v in (("seed", seed), ("draws", draws)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise TypeError(f"spmd.random.invariant: {what} must be an int >= 0, got "
+                                f"{v!r}")
+        self.seed, self.draws = seed, draws
+        self._entered: list[tuple[Stream, _Mode]] = []
+
+    def __enter__(self) -> Stream:
+        stream = Stream(self.seed, self.draws)
+        mode = _Mode(stream)
+        mode.__enter__()
+        if getattr(_local, "streams", None) is None:
+            _local.streams = []
+        _local.streams.append(stream)
+        self._entered.append((stream, mode))  # per entry: each rank thread its own
+        return stream
+
+    def __exit__(self, *exc: Any) -> None:
+        stream = _local.streams.pop()
+        mode = next(m for s, m in reversed(self._entered) if s is stream)
+        self._entered = [(s, m) for s, m in self._entered if s is not stream]
+        mode.__exit__(*exc)
+
+
+def invariant(seed: int, draws: int = 0) -> Invariant:
+    """Random draws that are a pure function of ``seed``, the draw's number and the global
+    index of each element: the same on one device and on any mesh.
+
+    Enter it where the model runs: around a model on one device; around the ``shard_map``
+    call of a converted model (its rank threads draw from copies of it) or in the per-rank
+    code (the body, the function ``spmd.launch`` runs, each process's own code).
+    The ``as`` target's ``draws`` counts the draws so far: pass it back as ``draws=`` to
+    resume (on another mesh, after a checkpoint) with the masks that would have come next.
+
+    Args:
+        seed: an int >= 0.
+        draws: the number of draws already made (0 to start).
+
+    Example:
+        >>> import torch, spmd
+        >>> x = torch.ones(2, 6)
+        >>> with spmd.random.invariant(0) as s:
+        ...     a = torch.nn.functional.dropout(x, 0.5)
+        >>> with spmd.random.invariant(0):
+        ...     b = torch.nn.functional.dropout(x, 0.5)
+        >>> torch.equal(a, b), s.draws
+        (True, 1)
+    """
+    return Invariant(seed, draws)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, stream: Stream):
+        super().__init__()
+        self.stream = stream
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name not in RANDOM or getattr(_local, "paused", False) or \
+                _no_values(name, args, kwargs):
+            return func(*args, **kwargs)
+        if _context.converting() is True:
+            raise SpecError(f"spmd.random.invariant: {name} is drawn inside a converted "
+                            f"forward under a context entered inside it; enter "
+                            f"invariant(...) around the converted model's call")
+        return self.stream.apply(func, name, args, kwargs)
+
+
+def _no_values(name: str, args: tuple, kwargs: dict) -> bool:
+    """A call on meta tensors (a plan) draws nothing; eval-mode attention draws nothing."""
+    if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+        return True
+    if any(isinstance(a, torch.Tensor) and a.is_meta for a in list(args) + list(kwargs.values())):
+        return True
+    return draws_nothing(name, args, kwargs)
+
+
+def _refusal(name: str, why: str) -> str:
+    if why:
+        return (f"spmd.random.invariant: {name} is given its own {why}, whose numbers "
+                f"depend on the mesh; leave it out (the invariant stream draws it)")
+    return (f"spmd.random.invariant: {name} has no mesh-invariant version; draw it outside "
+            f"the invariant context, or use one of: {', '.join(sorted(HANDLERS))}")
+
