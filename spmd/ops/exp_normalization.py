@@ -53,7 +53,10 @@ def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         dim: the tensor dim to normalise over (negative allowed); split or not.
         mesh: the mesh the code runs on.
-        spec: the ``P`` that lays the global tensor out over ``mesh``.
+        spec: how the global tensor is laid out over ``mesh``: a ``P``, or a ``Layout``
+            (its sizes used, none exchanged); left out when ``x`` is a ``spmd.Sharded``
+            (the result is then a Sharded). One convention for every op:
+            docs/mesh-and-specs.md.
         dtype: as torch's: ``x`` is cast to it first.
 
     Returns:

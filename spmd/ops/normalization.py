@@ -127,7 +127,8 @@ def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Me
     Args:
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         dim: an int, a tuple of ints, or None for all dims; split dims are fine.
-        mesh, spec: the mesh, and the ``P`` that lays the global tensor out over it.
+        mesh, spec: the mesh, and how the global tensor is laid out over it: a ``P`` or a
+            ``Layout``; ``x`` may be a ``spmd.Sharded`` (docs/mesh-and-specs.md).
         correction: subtracted from the count in the variance's divisor (1: unbiased).
         keepdim: keep the reduced dims with size 1.
         axes: merge only over these mesh axes (default: every axis that splits a

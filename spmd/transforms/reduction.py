@@ -45,7 +45,10 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
     Args:
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         mesh: the mesh the code runs on.
-        spec: the ``P`` that lays the global tensor out over ``mesh``.
+        spec: how the global tensor is laid out over ``mesh``: a ``P``, or a ``Layout``
+            (its sizes used, as ``sizes=``); left out when ``x`` is a ``spmd.Sharded``
+            (the result is then a Sharded where it keeps split dims). One convention
+            for every op: docs/mesh-and-specs.md.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         dim: an int, a tuple of ints (negative allowed), or None (or ``()``) for all dims.
         keepdim: keep the reduced dims with size 1.
