@@ -41,7 +41,7 @@ from ..core.provenance import check_spec
 from ..core.spec import P, as_spec
 from .sharded import Sharded, check_source
 
-__all__ = ["SpecArg", "spec_arg", "unwrap", "takes_sharded", "same_layout", "reduced_layout"]
+__all__ = ["SpecArg", "spec_arg", "layout_parts", "unwrap", "takes_sharded", "same_layout", "reduced_layout"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,22 @@ def spec_arg(x: torch.Tensor, mesh: Mesh, spec: Any, what: str, *,
         mesh.check_axes(a, f"{what}: spec")
     check_spec(x, p, mesh, what, name=name)
     return SpecArg(rc, p, None)
+
+
+def layout_parts(spec: Any, sizes: Any, mesh: Mesh, what: str, name: str = "spec",
+                 sizes_name: str = "sizes") -> tuple[Any, Any]:
+    """``(spec, sizes)`` for a function taking both: a ``Layout`` given as ``spec`` gives
+    its ``P`` and its sizes (then ``sizes`` must be left out); anything else as given."""
+    if not isinstance(spec, Layout):
+        return spec, sizes
+    if not spec.is_for(mesh):
+        raise SpecError(f"{what}: the layout is for a mesh "
+                        f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
+                        f"on {mesh!r}")
+    if sizes is not None:
+        raise SpecError(f"{what}: {name} is a Layout, which holds the sizes; leave "
+                        f"{sizes_name}= out")
+    return spec.spec, {d: s for d, s in enumerate(spec.sizes) if s is not None} or None
 
 
 def unwrap(x: Any, mesh: Mesh, spec: Any, what: str) -> tuple[Any, Any]:

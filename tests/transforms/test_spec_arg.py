@@ -337,3 +337,22 @@ def test_a_loss_without_reduction_keeps_the_split_of_a_sharded_input():
         return y.local
     y = spmd.shard_map(body, MESH, (lay, lay), lay)(x, t)
     torch.testing.assert_close(y, F.mse_loss(x, t, reduction="none"))
+
+
+def test_scatter_gather_and_redistribute_take_a_layout_for_spec_and_sizes():
+    cols = Layout((L, 4), P(None, "sp"), MESH, {1: [0, 2, 1, 1]})
+    x = _x(L, 4)
+    lay4 = Layout((L, 4), P("sp"), MESH, {0: SIZES})
+
+    def per_rank(mesh):
+        s = spmd.scatter(x if mesh.rank == 0 else None, mesh, lay4, src=0)
+        assert torch.equal(s, lay4.shard(x, mesh.rank))
+        c = spmd.redistribute(s, mesh, lay4, cols)
+        assert torch.equal(c, cols.shard(x, mesh.rank))
+        g = spmd.gather(c, mesh, cols, dst=None)
+        with pytest.raises(SpecError, match=r"^gather: spec is a Layout, which holds the "
+                                            r"sizes; leave sizes= out$"):
+            spmd.gather(c, mesh, cols, sizes={1: [0, 2, 1, 1]})
+        return g
+    for g in spmd.launch(per_rank, (4,), ("sp",)):
+        assert torch.equal(g, x)
