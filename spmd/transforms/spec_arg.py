@@ -41,7 +41,8 @@ from ..core.provenance import check_spec
 from ..core.spec import P, as_spec
 from .sharded import Sharded, check_source
 
-__all__ = ["SpecArg", "spec_arg", "layout_parts", "unwrap", "takes_sharded", "same_layout", "reduced_layout"]
+__all__ = ["SpecArg", "spec_arg", "layout_parts", "unwrap", "takes_sharded", "same_layout",
+           "reduced_layout"]
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,7 @@ def spec_arg(x: torch.Tensor, mesh: Mesh, spec: Any, what: str, *,
     """
     rc = on_mesh(mesh, what, x)
     if isinstance(spec, Layout):
-        if not spec.is_for(mesh):
-            raise SpecError(f"{what}: the layout is for a mesh "
-                            f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
-                            f"on {mesh!r}")
+        _for_mesh(spec, mesh, what)
         try:
             spec.size_check(x.shape, rc.rank, name)
         except SpecError as e:
@@ -89,16 +87,20 @@ def spec_arg(x: torch.Tensor, mesh: Mesh, spec: Any, what: str, *,
     return SpecArg(rc, p, None)
 
 
+def _for_mesh(lay: Layout, mesh: Mesh, what: str) -> None:
+    if not lay.is_for(mesh):
+        raise SpecError(f"{what}: the layout is for a mesh "
+                        f"{dict(zip(lay.axis_names, lay.mesh_shape))} but the call runs "
+                        f"on {mesh!r}")
+
+
 def layout_parts(spec: Any, sizes: Any, mesh: Mesh, what: str, name: str = "spec",
                  sizes_name: str = "sizes") -> tuple[Any, Any]:
     """``(spec, sizes)`` for a function taking both: a ``Layout`` given as ``spec`` gives
     its ``P`` and its sizes (then ``sizes`` must be left out); anything else as given."""
     if not isinstance(spec, Layout):
         return spec, sizes
-    if not spec.is_for(mesh):
-        raise SpecError(f"{what}: the layout is for a mesh "
-                        f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
-                        f"on {mesh!r}")
+    _for_mesh(spec, mesh, what)
     if sizes is not None:
         raise SpecError(f"{what}: {name} is a Layout, which holds the sizes; leave "
                         f"{sizes_name}= out")
@@ -121,7 +123,8 @@ def reduced_layout(lay: Layout, dims: Sequence[int], keepdim: bool) -> Layout:
     keep = [d for d in range(lay.ndim) if keepdim or d not in dims]
     shape = [1 if d in dims else lay.shape[d] for d in keep]
     spec = P(*(None if d in dims else lay.spec.entry(d) for d in keep))
-    sizes = {i: lay.sizes[d] for i, d in enumerate(keep) if d not in dims and lay.sizes[d]}
+    sizes = {i: lay.sizes[d] for i, d in enumerate(keep)
+             if d not in dims and lay.sizes[d] is not None}
     return Layout(shape, spec, _MeshShape(lay), sizes or None)
 
 
