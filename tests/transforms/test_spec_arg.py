@@ -295,6 +295,8 @@ def test_a_sharded_with_a_disagreeing_spec_is_refused():
     def call(mesh):
         lay = Layout((2, 3, L, 4), H, mesh, {2: SIZES})
         s = Sharded.from_local(_x(*lay.local_shape(mesh.rank)), mesh, lay)
+        for agrees in (H, lay):  # a spec that describes it is fine
+            assert ops.softmax(s, 2, mesh=mesh, spec=agrees).layout == lay
         ops.softmax(s, 2, mesh=mesh, spec=P(None, None, None, "sp"))
     got = _raise_on_every_rank(call)
     assert all(m.startswith("softmax: spec P(None, None, None, 'sp') does not describe "
