@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..core._context import RankContext, on_mesh
+from ..core._context import RankContext, in_rank_of, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout
@@ -113,6 +113,10 @@ def unwrap(x: Any, mesh: Mesh, spec: Any, what: str) -> tuple[Any, Any]:
     if not isinstance(x, Sharded):
         return x, spec
     lay = check_source(x, mesh, spec, what)
+    if not in_rank_of(mesh):
+        raise SpecError(f"{what}: {x!r} is seen from outside the ranks of its threads mesh; "
+                        f"call {what} in per-rank code (a spmd.shard_map body, which gets "
+                        f"the shard, or a spmd.launch function, with Sharded.from_local)")
     return x.local, lay
 
 

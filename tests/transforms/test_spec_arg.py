@@ -364,3 +364,14 @@ def test_scatter_gather_and_redistribute_take_a_layout_for_spec_and_sizes():
         return g
     for g in spmd.launch(per_rank, (4,), ("sp",)):
         assert torch.equal(g, x)
+
+
+def test_a_sharded_seen_from_outside_the_ranks_says_where_to_call_the_op():
+    s = Sharded.from_global(_x(L, 3), MESH, P("sp"))
+    with pytest.raises(SpecError) as e:
+        ops.softmax(s, 0)
+    assert str(e.value) == (
+        "softmax: Sharded(f64[10, 3], P('sp'), sp=[3, 3, 2, 2], shards on ranks [0, 1, 2, 3]) "
+        "is seen from outside the ranks of its threads mesh; call softmax in per-rank code (a "
+        "spmd.shard_map body, which gets the shard, or a spmd.launch function, with "
+        "Sharded.from_local)")
