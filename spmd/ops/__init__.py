@@ -6,7 +6,7 @@ one convention, read by ``spmd/transforms/spec_arg.py``), returns this rank's sh
 the single-device result, moves only the halo elements it needs, and has an
 ``output_layout(layout, ...)`` that says how its output is split. The sequence-parallel
 attentions (``ring_attention``, ``head_parallel_attention``) take ``axis=`` and
-``seq_dim=`` instead of ``spec=``.
+``seq_dim=`` instead of ``spec=`` (and take q, k, v as ``Sharded`` too).
 """
 from .adaptive_pool import (
     adaptive_avg_pool1d,

@@ -42,7 +42,7 @@ from ..core.spec import P, as_spec
 from .sharded import Sharded, check_source
 
 __all__ = ["SpecArg", "spec_arg", "layout_parts", "unwrap", "takes_sharded", "same_layout",
-           "reduced_layout"]
+           "reduced_layout", "sequence_split", "last_dim_of_v"]
 
 
 @dataclass(frozen=True)
@@ -139,14 +139,18 @@ class _MeshShape:
 
 def takes_sharded(out_layout: Callable[[Layout, dict, Any], Layout | None] | None = None, *,
                   renames: dict[str, Callable[[dict], Any]] | None = None,
-                  also: Sequence[str] = ()) -> Callable[[Callable], Callable]:
+                  also: Sequence[str] = (),
+                  check: Callable[[Layout, dict, str], None] | None = None
+                  ) -> Callable[[Callable], Callable]:
     """Decorator: let the function's first argument (and the arguments named in ``also``)
     be a ``spmd.Sharded``. It runs on the local shards with the Sharded's layout as
     ``spec=``, and wraps each tensor result with split dims as a ``Sharded`` of
     ``out_layout(layout, arguments, result)`` (None: a plain tensor, replicated). Without
     ``out_layout``, the function's own ``output_layout(layout, ...)`` (attached by
     ``spmd.ops``) is fed the function's arguments of the same names (``renames``: an
-    ``output_layout`` argument -> how to get it from the arguments)."""
+    ``output_layout`` argument -> how to get it from the arguments). A function without
+    ``spec=`` names its split otherwise: ``check(layout, arguments, name)`` raises where
+    the Sharded's layout is not that split."""
     def deco(fn: Callable) -> Callable:
         sig = inspect.signature(fn)
         first = next(iter(sig.parameters))
@@ -175,7 +179,10 @@ def takes_sharded(out_layout: Callable[[Layout, dict, Any], Layout | None] | Non
                     bound.arguments[n] = unwrap(v, mesh, None, what)[0]
             if "mesh" in sig.parameters:
                 bound.arguments["mesh"] = mesh
-            bound.arguments["spec"] = lay
+            if check is not None:
+                check(lay, bound.arguments, what)
+            if "spec" in sig.parameters:
+                bound.arguments["spec"] = lay
             y = fn(*bound.args, **bound.kwargs)
             return _wrap(y, get(lay, bound.arguments, y), mesh)
         return run
@@ -188,6 +195,24 @@ def _wrap(y: Any, lay: Layout | None, mesh: Mesh) -> Any:
     if lay is None or not isinstance(y, torch.Tensor) or not lay.split_dims:
         return y
     return Sharded({mesh.rank: y}, lay, mesh)
+
+
+def sequence_split(lay: Layout, args: dict, what: str) -> None:
+    """``check`` of the sequence-parallel attentions: the Sharded splits its ``seq_dim``
+    over ``axis`` and nothing else."""
+    axis, nd = args["axis"], lay.ndim
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    seq = args["seq_dim"] % nd if isinstance(args.get("seq_dim"), int) and nd else None
+    if any(lay.dim_axes(d) != (axes if d == seq else ()) for d in range(nd)):
+        raise SpecError(f"{what}: the Sharded is split as {lay.spec!r}, but axis={axis!r} and "
+                        f"seq_dim={args.get('seq_dim')!r} split dim {seq} only; redistribute "
+                        f"it first")
+
+
+def last_dim_of_v(lay: Layout, args: dict, y: Any) -> Layout:
+    """``out_layout`` of attention: q's layout with v's feature dim last (unsplit)."""
+    return Layout((*lay.shape[:-1], args["v"].shape[-1]), lay.spec, _MeshShape(lay),
+                  {d: lay.sizes[d] for d in lay.split_dims} or None)
 
 
 def same_layout(lay: Layout, args: dict, y: Any) -> Layout:

@@ -200,7 +200,7 @@ def test_a_p_matches_one_device(name):
                                  lay.spec, case["out"](lay), _x(*lay.shape), check_grad=False)
 
 
-@pytest.mark.parametrize("name", sorted(set(CASES) - AXIS_ARGS))
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_a_sharded_x_gives_its_layout_and_gets_the_output_layout(name):
     case = CASES[name]
     torch.manual_seed(2)
@@ -375,3 +375,14 @@ def test_a_sharded_seen_from_outside_the_ranks_says_where_to_call_the_op():
         "is seen from outside the ranks of its threads mesh; call softmax in per-rank code (a "
         "spmd.shard_map body, which gets the shard, or a spmd.launch function, with "
         "Sharded.from_local)")
+
+
+@pytest.mark.parametrize("fn", [ops.ring_attention, ops.head_parallel_attention])
+def test_a_sharded_split_elsewhere_than_seq_dim_is_refused_by_the_attentions(fn):
+    def call(mesh):
+        lay = Layout((1, 2, L, 4), P(None, None, None, "sp"), mesh)
+        q = Sharded.from_local(_x(*lay.local_shape(mesh.rank)), mesh, lay)
+        fn(q, q.local, q.local, mesh, "sp", seq_dim=2)
+    got = _raise_on_every_rank(call)
+    assert got == [f"{fn.__name__}: the Sharded is split as P(None, None, None, 'sp'), but "
+                   f"axis='sp' and seq_dim=2 split dim 2 only; redistribute it first"] * 4
