@@ -30,7 +30,6 @@ from ..core.layout import Layout, balanced_sizes
 from ..core.mesh import Mesh
 from ..core.provenance import check_spec
 from ..core.spec import P, as_spec
-from ..transforms.spec_arg import spec_arg, takes_sharded
 from ..transforms.halo import (
     Fetch,
     assemble,
@@ -42,6 +41,7 @@ from ..transforms.halo import (
     transpose,
     unfetch,
 )
+from ..transforms.spec_arg import spec_arg, takes_sharded
 
 __all__ = ["input_layout", "out_sizes", "fetch", "plan", "windowed", "member_ranges",
            "with_layout"]

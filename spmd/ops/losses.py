@@ -25,9 +25,9 @@ from ..collectives.primitives import _psum
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
+from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P, entry_axes
-from ..core.layout import Layout
 from ..transforms.spec_arg import reduced_layout, takes_sharded
 from .normalization import _spec_axes
 
