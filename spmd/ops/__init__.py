@@ -1,8 +1,12 @@
 """Domain-parallel layers: functional ops on shards of inputs split along spatial dims.
 
-Each op takes this rank's shard plus ``mesh=`` and ``spec=`` (a ``P`` or a ``Layout``),
-returns this rank's shard of the single-device result, moves only the halo elements it
-needs, and has an ``output_layout(layout, ...)`` that says how its output is split.
+Each op takes this rank's shard plus ``mesh=`` and ``spec=`` (a ``P`` or a ``Layout``;
+or ``x`` is a ``spmd.Sharded``, whose layout is the spec and which gets a Sharded back:
+one convention, read by ``spmd/transforms/spec_arg.py``), returns this rank's shard of
+the single-device result, moves only the halo elements it needs, and has an
+``output_layout(layout, ...)`` that says how its output is split. The sequence-parallel
+attentions (``ring_attention``, ``head_parallel_attention``) take ``axis=`` and
+``seq_dim=`` instead of ``spec=`` (and take q, k, v as ``Sharded`` too).
 """
 from .adaptive_pool import (
     adaptive_avg_pool1d,

@@ -23,7 +23,7 @@ import torch
 from ..collectives._anchor import anchor
 from ..collectives.vjp import custom_vjp, needs_input_grad
 from ..comm import gather_ints
-from ..core._context import RankContext, on_mesh, static_layout, static_mismatch
+from ..core._context import RankContext, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import Layout, balanced_sizes
@@ -41,6 +41,7 @@ from ..transforms.halo import (
     transpose,
     unfetch,
 )
+from ..transforms.spec_arg import spec_arg, takes_sharded
 
 __all__ = ["input_layout", "out_sizes", "fetch", "plan", "windowed", "member_ranges",
            "with_layout"]
@@ -49,20 +50,15 @@ __all__ = ["input_layout", "out_sizes", "fetch", "plan", "windowed", "member_ran
 def input_layout(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[RankContext, Layout]:
     """This rank's context and ``x``'s global layout.
 
-    ``spec`` is a ``Layout`` (checked against ``x``, no communication) or a ``P``: then
-    the ranks of the spec's axes exchange their local shapes (one small int64
-    all_gather), so uneven shards need no extra arguments.
+    ``spec`` is read by ``spec_arg`` (``transforms/spec_arg.py``): a ``Layout`` is
+    checked against ``x`` and used, no communication; for a ``P`` the ranks of the
+    spec's axes exchange their local shapes (one small int64 all_gather), so uneven
+    shards need no extra arguments.
     """
-    rc = on_mesh(mesh, what, x)
-    if isinstance(spec, Layout):
-        if not spec.is_for(mesh):
-            raise SpecError(f"{what}: the layout is for a mesh "
-                            f"{dict(zip(spec.axis_names, spec.mesh_shape))} but the call runs "
-                            f"on {mesh!r}")
-        spec.size_check(x.shape, rc.rank, "x")
-        return rc, _agrees(x, spec, what)
-    spec = as_spec(spec)
-    Layout((0,) * x.ndim, spec, mesh)  # validates the spec before anything moves
+    arg = spec_arg(x, mesh, spec, what)
+    rc, spec = arg.rc, arg.spec
+    if arg.layout is not None:
+        return rc, arg.layout
     axes = spec.axes
     if not axes:
         return rc, _agrees(x, Layout(x.shape, spec, mesh), what)
@@ -387,12 +383,18 @@ def check_ndim(x: torch.Tensor, n: int, what: str) -> None:
                         f"{describe(x)}; add the batch dim with x[None] (and None in the spec)")
 
 
+# How an op's arguments give its output_layout's: weight_shape from the weight (convs),
+# head_dim_v from v (attention).
+_RENAMES = {"weight_shape": lambda a: a["weight"].shape, "head_dim_v": lambda a: a["v"].shape[-1]}
+
+
 def with_layout(fn: Callable) -> Callable[[Callable], Callable]:
     """Decorator: attach ``fn`` as the ``output_layout`` of the op it decorates, so users
-    can ask for the output layout before running the op."""
+    can ask for the output layout before running the op; and let the op take a
+    ``spmd.Sharded`` (its result is then a Sharded of that layout)."""
     def attach(op: Callable) -> Callable:
         op.output_layout = fn
-        return op
+        return takes_sharded(renames=_RENAMES, also=("k", "v"))(op)
     return attach
 
 

@@ -26,13 +26,12 @@ from ..collectives.compiled import graph_op
 from ..collectives.primitives import _psum
 from ..collectives.vjp import custom_vjp
 from ..comm import comm_of
-from ..core._context import RankContext, on_mesh
+from ..core._context import RankContext
 from ..core._format import describe
-from ..core.errors import SpecError
 from ..core.mesh import Mesh
-from ..core.provenance import check_spec
-from ..core.spec import as_spec, entry_axes
+from ..core.spec import entry_axes
 from ..transforms.reduction import _dims
+from ..transforms.spec_arg import reduced_layout, same_layout, spec_arg, takes_sharded
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
 
@@ -44,6 +43,7 @@ def _like_x(x, dim, *, mesh=None, spec=None, dtype=None):
     """softmax's output under torch.compile: x's shape, in ``dtype`` if given."""
     return [(x.shape, dtype or x.dtype)] if isinstance(x, torch.Tensor) else None
 
+@takes_sharded(same_layout)
 @graph_op(_like_x)
 def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
             dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -53,7 +53,10 @@ def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         dim: the tensor dim to normalise over (negative allowed); split or not.
         mesh: the mesh the code runs on.
-        spec: the ``P`` that lays the global tensor out over ``mesh``.
+        spec: how the global tensor is laid out over ``mesh``: a ``P``, or a ``Layout``
+            (its sizes used, none exchanged); left out when ``x`` is a ``spmd.Sharded``
+            (the result is then a Sharded). One convention for every op:
+            docs/mesh-and-specs.md.
         dtype: as torch's: ``x`` is cast to it first.
 
     Returns:
@@ -92,6 +95,7 @@ def softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
     return _softmax(anchor(x), dims, axes, rc)
 
 
+@takes_sharded(same_layout)
 @graph_op(_like_x)
 def log_softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -124,6 +128,8 @@ def log_softmax(x: torch.Tensor, dim: int, *, mesh: Mesh, spec: Any,
     return _log_softmax(anchor(x), dims, axes, rc)
 
 
+@takes_sharded(lambda lay, a, y: reduced_layout(
+    lay, _dims(a["dim"], lay.ndim, "", "logsumexp"), a.get("keepdim", False)))
 def logsumexp(x: torch.Tensor, dim: int | Sequence[int], keepdim: bool = False, *,
               mesh: Mesh, spec: Any) -> torch.Tensor:
     """``torch.logsumexp`` of the global tensor whose shard ``x`` is, over ``dim``.
@@ -180,14 +186,8 @@ def _prepare(x: Any, dim: Any, mesh: Mesh, spec: Any, dtype: torch.dtype | None,
              many: bool) -> tuple[torch.Tensor, tuple[int, ...], tuple[str, ...], RankContext]:
     """Validate; return x (cast to ``dtype``), the reduced dims, the mesh axes that split
     them (in mesh order; empty: no communication) and the rank context."""
-    rc = on_mesh(mesh, what, x)
-    spec = as_spec(spec, f"{what}: spec")
-    if len(spec) > x.ndim:
-        raise SpecError(f"{what}: spec {spec!r} has {len(spec)} entries but x ({describe(x)}) "
-                        f"has {x.ndim} dims")
-    for a in spec.axes:
-        mesh.check_axes(a, f"{what}: spec")
-    check_spec(x, spec, mesh, what)
+    arg = spec_arg(x, mesh, spec, what)
+    rc, spec = arg.rc, arg.spec
     # A 0-d x is never split: its one "dim" makes torch run locally.
     dims = _dims(dim, x.ndim, describe(x), what, many=many, every=False) or (0,)
     if dtype is not None:

@@ -43,12 +43,14 @@ from ..core._format import describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import balanced_sizes
 from ..core.mesh import Mesh
+from ..transforms.spec_arg import last_dim_of_v, sequence_split, takes_sharded
 
 __all__ = ["head_parallel_attention"]
 
 _WHAT = "head_parallel_attention"
 
 
+@takes_sharded(last_dim_of_v, also=("k", "v"), check=sequence_split)
 @graph_op(like_query)
 def head_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh,
                             axis: str | tuple[str, ...], *, seq_dim: int, causal: bool = False,

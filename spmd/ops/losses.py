@@ -25,8 +25,10 @@ from ..collectives.primitives import _psum
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
+from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P, entry_axes
+from ..transforms.spec_arg import reduced_layout, takes_sharded
 from .normalization import _spec_axes
 
 __all__ = ["mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "nll_loss", "cross_entropy"]
@@ -37,6 +39,19 @@ _REDUCTIONS = ("none", "mean", "sum")
 def _axes(x: torch.Tensor, mesh: Mesh, spec: Any, what: str) -> tuple[P, tuple[str, ...]]:
     """``spec`` checked against ``x``, and the mesh axes that split some dim of it."""
     return _spec_axes(x, mesh, spec, range(x.ndim), what, None)
+
+
+def _elementwise_layout(lay: Layout, args: dict, y: Any) -> Layout | None:
+    """A Sharded input's result: split as the input for ``reduction="none"``, else
+    replicated."""
+    return lay if args.get("reduction", "mean") == "none" else None
+
+
+def _class_layout(lay: Layout, args: dict, y: Any) -> Layout | None:
+    """As ``_elementwise_layout``, without the class dim."""
+    if args.get("reduction", "mean") != "none":
+        return None
+    return reduced_layout(lay, (1 if lay.ndim >= 2 else 0,), False)
 
 
 def _reduction(reduction: str, what: str) -> None:
@@ -87,6 +102,7 @@ def _elementwise(fn, input: torch.Tensor, target: torch.Tensor, weight: torch.Te
     return _total(local, local.numel(), reduction, axes, rc)
 
 
+@takes_sharded(_elementwise_layout, also=("target", "weight"))
 def mse_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean",
              weight: torch.Tensor | None = None, mesh: Mesh, spec: Any) -> torch.Tensor:
     """``F.mse_loss`` of the global tensors, given this rank's shards of ``input`` and
@@ -111,12 +127,14 @@ def mse_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mea
     return _elementwise(F.mse_loss, input, target, weight, reduction, mesh, spec, "mse_loss")
 
 
+@takes_sharded(_elementwise_layout, also=("target", "weight"))
 def l1_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean",
             weight: torch.Tensor | None = None, mesh: Mesh, spec: Any) -> torch.Tensor:
     """``F.l1_loss`` of the global tensors; see ``mse_loss``."""
     return _elementwise(F.l1_loss, input, target, weight, reduction, mesh, spec, "l1_loss")
 
 
+@takes_sharded(_elementwise_layout, also=("target", "weight"))
 def smooth_l1_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean",
                    beta: float = 1.0, mesh: Mesh, spec: Any) -> torch.Tensor:
     """``F.smooth_l1_loss`` of the global tensors; see ``mse_loss``."""
@@ -124,6 +142,7 @@ def smooth_l1_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str 
                         "smooth_l1_loss", beta=beta)
 
 
+@takes_sharded(_elementwise_layout, also=("target", "weight"))
 def huber_loss(input: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean",
                delta: float = 1.0, mesh: Mesh, spec: Any) -> torch.Tensor:
     """``F.huber_loss`` of the global tensors; see ``mse_loss``."""
@@ -180,6 +199,7 @@ def _class_losses(fn, input: torch.Tensor, target: torch.Tensor, weight: torch.T
     return _total(local, den, reduction, axes, rc, what, bad)
 
 
+@takes_sharded(_class_layout, also=("target",))
 def nll_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
              *, ignore_index: int = -100, reduction: str = "mean", mesh: Mesh,
              spec: Any) -> torch.Tensor:
@@ -206,6 +226,7 @@ def nll_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | N
                          spec, "nll_loss", soft=False)
 
 
+@takes_sharded(_class_layout, also=("target",))
 def cross_entropy(input: torch.Tensor, target: torch.Tensor,
                   weight: torch.Tensor | None = None, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, mesh: Mesh,

@@ -34,19 +34,13 @@ from ..comm import comm_of
 from ..core._context import RankContext, on_mesh
 from ..core._format import describe
 from ..core.errors import SpecError
-from ..core.layout import Layout
 from ..core.mesh import Mesh
-from ..core.provenance import check_spec
-from ..core.spec import P, as_spec, entry_axes
+from ..core.spec import P, entry_axes
 from ..transforms.reduction import _dims
+from ..transforms.spec_arg import reduced_layout, same_layout, spec_arg, takes_sharded
 from ._window import input_layout, refuse_split
 
 __all__ = ["moments", "group_norm", "layer_norm", "instance_norm", "batch_norm", "rms_norm"]
-
-
-def _pspec(spec: Any, what: str) -> P:
-    """The ``P`` of a spec given as a ``P`` or a ``Layout``."""
-    return as_spec(spec.spec if isinstance(spec, Layout) else spec, f"{what}: spec")
 
 
 def _acc(x: torch.Tensor, what: str) -> torch.dtype:
@@ -60,13 +54,7 @@ def _spec_axes(x: torch.Tensor, mesh: Mesh, spec: Any, dims: Sequence[int], what
                axes: Any) -> tuple[P, tuple[str, ...]]:
     """``spec`` checked against ``x``, and the mesh axes whose ranks' statistics merge:
     those that split a reduced dim (``axes`` narrows them: per-replica statistics)."""
-    given, spec = spec, _pspec(spec, what)
-    if len(spec) > x.ndim:
-        raise SpecError(f"{what}: spec {spec!r} has {len(spec)} entries but x ({describe(x)}) "
-                        f"has {x.ndim} dims")
-    for a in spec.axes:
-        mesh.check_axes(a, f"{what}: spec")
-    check_spec(x, given if isinstance(given, Layout) else spec, mesh, what)
+    spec = spec_arg(x, mesh, spec, what).spec
     used = {a for d in dims for a in entry_axes(spec.entry(d))}
     if axes is not None:
         keep = set(mesh.check_axes(axes, f"{what}: axes"))
@@ -127,6 +115,8 @@ def _moments(x: torch.Tensor, dims: tuple[int, ...], axes: tuple[str, ...], rc: 
     return total, mean.to(acc), m2
 
 
+@takes_sharded(lambda lay, a, y: reduced_layout(
+    lay, _dims(a.get("dim"), lay.ndim, "", "moments"), a.get("keepdim", False)))
 def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Mesh,
             spec: Any, correction: int = 0, keepdim: bool = False,
             axes: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +127,8 @@ def moments(x: torch.Tensor, dim: int | Sequence[int] | None = None, *, mesh: Me
     Args:
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         dim: an int, a tuple of ints, or None for all dims; split dims are fine.
-        mesh, spec: the mesh, and the ``P`` that lays the global tensor out over it.
+        mesh, spec: the mesh, and how the global tensor is laid out over it: a ``P`` or a
+            ``Layout``; ``x`` may be a ``spmd.Sharded`` (docs/mesh-and-specs.md).
         correction: subtracted from the count in the variance's divisor (1: unbiased).
         keepdim: keep the reduced dims with size 1.
         axes: merge only over these mesh axes (default: every axis that splits a
@@ -265,6 +256,7 @@ def _channel_split(spec: Any, what: str) -> None:
     refuse_split(spec, (1,), what, "the channels, whose statistics are separate")
 
 
+@takes_sharded(same_layout)
 @graph_op(like_input)
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5, *, mesh: Mesh,
@@ -293,8 +285,7 @@ def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = N
     if num_groups <= 0 or c % num_groups:
         raise RuntimeError(f"{what}: expected the number of channels ({c}) to be divisible "
                            f"by num_groups ({num_groups})")
-    check_spec(x, spec if isinstance(spec, Layout) else _pspec(spec, what), mesh, what)
-    spec = _pspec(spec, what)
+    spec = spec_arg(x, mesh, spec, what).spec
     xg = x.reshape(n, num_groups, c // num_groups, *x.shape[2:])
     gspec = P(spec.entry(0), None, None, *(spec.entry(d) for d in range(2, x.ndim)))
     dims = tuple(range(2, xg.ndim))
@@ -331,6 +322,7 @@ def _trailing(x: torch.Tensor, normalized_shape: Sequence[int], mesh: Mesh, spec
     return dims, axes, [None if t is None else t[sl] for t in affine]
 
 
+@takes_sharded(same_layout)
 @graph_op(like_input)
 def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
@@ -364,6 +356,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: Sequence[int],
     return y.to(x.dtype)
 
 
+@takes_sharded(same_layout)
 @graph_op(like_input)
 def rms_norm(x: torch.Tensor, normalized_shape: Sequence[int],
              weight: torch.Tensor | None = None, eps: float | None = None, *, mesh: Mesh,
@@ -412,6 +405,7 @@ def _batch_meta(x, running_mean=None, running_var=None, weight=None, bias=None,
     return None if updates else like_input(x)
 
 
+@takes_sharded(same_layout)
 @graph_op(_instance_meta)
 def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
                   running_var: torch.Tensor | None = None, weight: torch.Tensor | None = None,
@@ -434,8 +428,7 @@ def instance_norm(x: torch.Tensor, running_mean: torch.Tensor | None = None,
     if x.ndim < 3:
         raise SpecError(f"{what}: expected (N, C, *spatial), got {describe(x)}")
     _channel_split(spec, what)
-    check_spec(x, spec if isinstance(spec, Layout) else _pspec(spec, what), mesh, what)
-    spec = _pspec(spec, what)
+    spec = spec_arg(x, mesh, spec, what).spec
     if spec.entry(0) is not None and (running_mean is not None or not use_input_stats):
         raise SpecError(f"{what}: running statistics average over the batch, which {spec!r} "
                         f"splits; keep N whole (or use batch_norm with the batch split)")
@@ -483,6 +476,7 @@ def _updates_buffers(running_mean: torch.Tensor, running_var: torch.Tensor | Non
     return True
 
 
+@takes_sharded(same_layout)
 @graph_op(_batch_meta)
 def batch_norm(x: torch.Tensor, running_mean: torch.Tensor | None,
                running_var: torch.Tensor | None, weight: torch.Tensor | None = None,

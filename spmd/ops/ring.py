@@ -30,6 +30,7 @@ from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.layout import balanced_sizes
 from ..core.mesh import Group, Mesh
+from ..transforms.spec_arg import last_dim_of_v, sequence_split, takes_sharded
 from . import _attention_block as blk
 
 __all__ = ["ring_attention", "zigzag_order"]
@@ -38,6 +39,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _WHAT = "ring_attention"
 
 
+@takes_sharded(last_dim_of_v, also=("k", "v"), check=sequence_split)
 @graph_op(like_query)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh,
                    axis: str | tuple[str, ...], *, seq_dim: int, causal: bool = False,

@@ -26,6 +26,7 @@ from ..core.mesh import Mesh, coords_of
 from ..core.provenance import check_spec
 from ..core.spec import as_spec
 from .sharded import Sharded, assemble, check_source
+from .spec_arg import layout_parts
 
 __all__ = ["redistribute"]
 
@@ -75,6 +76,10 @@ def redistribute(x: torch.Tensor | Sharded, mesh: Mesh, src_spec: Any = None,
         raise TypeError("redistribute: src_spec and dst_spec are both needed for a tensor "
                         "(a spmd.Sharded knows its source: redistribute(s, mesh, dst_spec))")
     rc = on_mesh(mesh, "redistribute", x)
+    src_spec, src_sizes = layout_parts(src_spec, src_sizes, mesh, "redistribute", "src_spec",
+                                       "src_sizes")
+    dst_spec, dst_sizes = layout_parts(dst_spec, dst_sizes, mesh, "redistribute", "dst_spec",
+                                       "dst_sizes")
     src_spec, dst_spec = as_spec(src_spec, "src_spec"), as_spec(dst_spec, "dst_spec")
     for name, spec in (("src_spec", src_spec), ("dst_spec", dst_spec)):
         if len(spec) > x.ndim:
@@ -98,6 +103,8 @@ def _redistribute_sharded(x: Sharded, mesh: Mesh, src_spec: Any, dst_spec: Any,
         raise TypeError(f"redistribute: give the destination spec for {x!r}: "
                         f"redistribute(s, mesh, dst_spec)")
     src = check_source(x, mesh, src_spec, "redistribute")
+    dst_spec, dst_sizes = layout_parts(dst_spec, dst_sizes, mesh, "redistribute", "dst_spec",
+                                       "dst_sizes")
     dst = Layout(src.shape, as_spec(dst_spec, "dst_spec"), mesh, dst_sizes)
     if not in_rank_of(mesh):  # every shard is here: cut the assembled tensor anew
         return Sharded.from_global(assemble(x), mesh, dst)

@@ -24,7 +24,8 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.provenance import check_spec
-from ..core.spec import as_spec, entry_axes
+from ..core.spec import entry_axes
+from .spec_arg import reduced_layout, spec_arg, takes_sharded
 
 __all__ = ["reduce"]
 
@@ -33,6 +34,8 @@ _HALF_ACC = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
              torch.complex32: torch.complex64}
 
 
+@takes_sharded(lambda lay, a, y: reduced_layout(
+    lay, _dims(a.get("dim"), lay.ndim, ""), a.get("keepdim", False)))
 def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
            dim: int | Sequence[int] | None = None, keepdim: bool = False,
            sizes: Mapping[int, Sequence[int]] | Layout | None = None) -> torch.Tensor:
@@ -42,7 +45,10 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
     Args:
         x: this rank's shard (per-rank code: a shard_map body or a launched function).
         mesh: the mesh the code runs on.
-        spec: the ``P`` that lays the global tensor out over ``mesh``.
+        spec: how the global tensor is laid out over ``mesh``: a ``P``, or a ``Layout``
+            (its sizes used, as ``sizes=``); left out when ``x`` is a ``spmd.Sharded``
+            (the result is then a Sharded where it keeps split dims). One convention
+            for every op: docs/mesh-and-specs.md.
         op: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
         dim: an int, a tuple of ints (negative allowed), or None (or ``()``) for all dims.
         keepdim: keep the reduced dims with size 1.
@@ -103,12 +109,15 @@ def reduce(x: torch.Tensor, mesh: Mesh, spec: Any, *, op: str = "sum",
     rc = on_mesh(mesh, "reduce", x)
     if op not in OPS:
         raise SpecError(f"reduce: op must be one of {OPS}, got {op!r}")
-    spec = as_spec(spec, "reduce: spec")
-    if len(spec) > x.ndim:
-        raise SpecError(f"reduce: spec {spec!r} has {len(spec)} entries but x ({describe(x)}) "
-                        f"has {x.ndim} dims")
-    for a in spec.axes:
-        mesh.check_axes(a, "reduce: spec")
+    arg = spec_arg(x, mesh, spec, "reduce")
+    spec = arg.spec
+    if arg.layout is not None:
+        if sizes is not None and not isinstance(sizes, Layout):
+            raise SpecError("reduce: spec is a Layout, which holds the sizes; leave sizes= out")
+        if sizes is not None and sizes != arg.layout:
+            raise SpecError(f"reduce: sizes={sizes!r} and spec={arg.layout!r} are different "
+                            f"layouts; pass one")
+        sizes = arg.layout
     dims = _dims(dim, x.ndim, describe(x))
     if op == "mean" and not (x.is_floating_point() or x.is_complex()):
         raise SpecError(f"reduce: op='mean' needs a floating-point or complex x, got "

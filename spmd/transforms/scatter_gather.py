@@ -39,6 +39,7 @@ from ..core.placeholder import Placeholder
 from ..core.provenance import check_spec
 from ..core.spec import P
 from .sharded import Sharded, assemble, check_source
+from .spec_arg import layout_parts
 
 __all__ = ["scatter", "gather", "backward"]
 
@@ -83,7 +84,8 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
             (ignored, a Placeholder is checked against ``src``'s shape and dtype).
         mesh: the mesh the code runs on (per-rank code: a shard_map body or a function
             run by ``spmd.launch``).
-        spec: how to cut, as a ``P`` over the mesh axes.
+        spec: how to cut, as a ``P`` over the mesh axes, or a ``Layout`` (its sizes:
+            leave ``sizes`` out).
         src: the global rank holding ``x``.
         sizes: explicit shard sizes, as ``Layout`` takes them (default: balanced).
 
@@ -115,6 +117,7 @@ def scatter(x: torch.Tensor | Placeholder | None, mesh: Mesh, spec: Any, *, src:
         [([0.0, 1.0], [10.0, 10.0, 10.0, 10.0, 10.0]), ([2.0, 3.0], None), ([4.0], None)]
     """
     rc = on_mesh(mesh, "scatter", tensor=False)
+    spec, sizes = layout_parts(spec, sizes, mesh, "scatter")
     n = math.prod(mesh.shape)
     _check_rank(src, n, "scatter", "src")
     group = mesh.group(mesh.axis_names, rc.rank)
@@ -218,7 +221,8 @@ def gather(x: torch.Tensor | Sharded, mesh: Mesh, spec: Any = None, *, dst: int 
             mesh outside its ranks, where it holds every shard, the global tensor is
             assembled in place and returned, with no ``dst``).
         mesh: the mesh the code runs on.
-        spec: how the tensor is cut, as a ``P`` (for a Sharded: omit it).
+        spec: how the tensor is cut, as a ``P`` or a ``Layout`` (its sizes: leave
+            ``sizes`` out; for a Sharded: omit it).
         dst: the global rank that receives the whole tensor; None for every rank.
         sizes: the shard sizes, as ``Layout`` takes them (default: the shards' own).
 
@@ -257,7 +261,8 @@ def gather(x: torch.Tensor | Sharded, mesh: Mesh, spec: Any = None, *, dst: int 
         lay = check_source(x, mesh, spec, "gather")
         if not in_rank_of(mesh):
             return assemble(x)
-        x, spec, sizes = x.local, lay.spec, lay.sizes
+        x, spec, sizes = x.local, lay, None
+    spec, sizes = layout_parts(spec, sizes, mesh, "gather")
     rc = on_mesh(mesh, "gather", tensor=False)
     n = math.prod(mesh.shape)
     if dst is not None:

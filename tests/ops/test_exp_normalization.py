@@ -39,13 +39,14 @@ def _reduced_spec(spec: P, ndim: int, dims, keepdim: bool) -> P:
 
 
 def check(mesh, lay: Layout, xg: torch.Tensor, op: str, dim, keepdim=False,
-          dtype=F64, **tol):
-    """shard_map of the op against torch's on the global float64 tensor."""
+          dtype=F64, by_layout=False, **tol):
+    """shard_map of the op against torch's on the global float64 tensor; the op is given
+    the spec as a ``P`` or (``by_layout``) as the ``Layout``."""
     ours, ref = OPS[op]
-    spec = lay.spec
+    spec = lay if by_layout else lay.spec
     if op == "logsumexp":
         dims = tuple(sorted(d % xg.ndim for d in ((dim,) if isinstance(dim, int) else dim)))
-        out = _reduced_spec(spec, xg.ndim, dims, keepdim)
+        out = _reduced_spec(lay.spec, xg.ndim, dims, keepdim)
         f_local = lambda x: ours(x, dim, keepdim, mesh=mesh, spec=spec)  # noqa: E731
         f_global = lambda x: ref(x, dim, keepdim)  # noqa: E731
     else:
@@ -99,14 +100,15 @@ def cases(draw):
     return dict(mesh=mesh, lay=Layout(tuple(shape), spec, mesh, sizes or None), op=op,
                 dim=dim, keepdim=draw(st.booleans()),
                 kind=draw(st.sampled_from(["normal", "normal", "-inf", "special"])),
-                seed=draw(st.integers(0, 1000)))
+                seed=draw(st.integers(0, 1000)), by_layout=draw(st.booleans()))
 
 
 @sst.settings(max_examples=60)
 @given(case=cases())
 def test_matches_torch_on_global_tensor(case):
     xg = _values(case["lay"].shape, case["kind"], case["seed"])
-    check(case["mesh"], case["lay"], xg, case["op"], case["dim"], case["keepdim"])
+    check(case["mesh"], case["lay"], xg, case["op"], case["dim"], case["keepdim"],
+          by_layout=case["by_layout"])
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

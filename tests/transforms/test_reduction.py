@@ -71,7 +71,9 @@ def run_reduce(mesh_shape, names, shape, spec, sizes, op, dim, keepdim, how="non
             kw["sizes"] = {d: lay.sizes[d] for d in lay.split_dims}
         elif how == "layout":
             kw["sizes"] = lay
-        y = reduce(x, mesh, spec, op=op, dim=dim, keepdim=keepdim, **kw)
+        # "spec": the Layout given as the spec (the one spec= convention)
+        y = reduce(x, mesh, lay if how == "spec" else spec, op=op, dim=dim, keepdim=keepdim,
+                   **kw)
         (y * ws[mesh.rank]).sum().backward()
         return y.detach(), x.grad
 
@@ -131,7 +133,7 @@ def cases(draw):
                                   unique=True)))
     return dict(mesh_shape=mesh_shape, names=names, shape=tuple(shape), spec=spec, sizes=sizes,
                 op=draw(st.sampled_from(OPS)), dim=dim, keepdim=draw(st.booleans()),
-                how=draw(st.sampled_from(["none", "dict", "layout"])),
+                how=draw(st.sampled_from(["none", "dict", "layout", "spec"])),
                 seed=draw(st.integers(0, 1000)), ties=draw(st.booleans()))
 
 
@@ -160,7 +162,7 @@ def test_ties_across_ranks_with_different_local_counts(op):
     torch.testing.assert_close(torch.cat(grads), want, rtol=0, atol=1e-15)
 
 
-@pytest.mark.parametrize("how", ["none", "dict", "layout"])
+@pytest.mark.parametrize("how", ["none", "dict", "layout", "spec"])
 def test_mean_of_uneven_and_empty_shards_is_exact(how):
     """Mean over dim 0 of a 3x4 tensor on 2 ranks (rows [2, 1]), and of a
     1x4 tensor (rows [1, 0]: one empty shard), equal torch.mean, not a mean of means."""
@@ -168,8 +170,10 @@ def test_mean_of_uneven_and_empty_shards_is_exact(how):
                torch.randn(1, 4, generator=torch.Generator().manual_seed(2))):
         def per_rank(mesh, xg=xg):
             lay = spmd.Layout(xg.shape, P("sp"), mesh)
-            kw = {} if how == "none" else {"sizes": lay if how == "layout" else {0: lay.sizes[0]}}
-            return reduce(lay.shard(xg, mesh.rank), mesh, P("sp"), op="mean", dim=0, **kw)
+            kw = {} if how in ("none", "spec") else {
+                "sizes": lay if how == "layout" else {0: lay.sizes[0]}}
+            return reduce(lay.shard(xg, mesh.rank), mesh, lay if how == "spec" else P("sp"),
+                          op="mean", dim=0, **kw)
 
         for y in spmd.launch(per_rank, (2,), ("sp",)):
             torch.testing.assert_close(y, torch.mean(xg, 0), rtol=0, atol=0)
