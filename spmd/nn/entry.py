@@ -23,6 +23,7 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
+from .backward import backward_hooks_problem, recomputed_state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
@@ -150,7 +151,10 @@ class Config:
         run = _Run(self, planning=True, plan=plan, sizes=sizes)
         run.start()
         try:
-            out = twin(*margs, **mkwargs)
+            # an activation checkpoint's saved-tensor hooks (a plan made in its recompute)
+            # must not see the plan's meta tensors
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                out = twin(*margs, **mkwargs)
             sizes.finished |= sizes.recording
             problem = sizes.end(run)
             if problem:
@@ -179,6 +183,7 @@ class Config:
         if self.shared_by_threads() and state.thread_local(plan.changes) and \
                 not plan.incomplete:
             plan.thread_local = True  # each rank thread its own copies, committed once
+            plan.entries += recomputed_state(run.regions, plan.changes)
         elif self.shared_by_threads():
             for c in plan.changes:
                 plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
@@ -275,6 +280,9 @@ class Enter:
             return args, kwargs
         run.paths.append(self.path)
         frame.path = True
+        if run.plan is not None and backward_hooks_problem(module):
+            run.plan.entries.append(_Entry("refused", f"in {self.path}", type(module).__name__,
+                                           backward_hooks_problem(module)))
         if isinstance(module, _CONV_TRANSPOSE):
             args, kwargs = _global_output_size(run, module, args, kwargs)
         if isinstance(module, _Sharded) and not run.planning:
@@ -405,6 +413,10 @@ def is_shape(x: Any) -> bool:
     return isinstance(x, (tuple, list, torch.Size)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in x)
 
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _random_state(state: tuple | None = None) -> tuple | None:

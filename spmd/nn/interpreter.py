@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import _context
 from ..core.errors import SpecError
 from . import rules
+from .backward import Regions, converts
 from ._tags import (
     LocalFloat,
     LocalSize,
@@ -197,6 +198,9 @@ class _Run:
         self.mode = _Mode(self)
         self._prev_converting = False
         self.views: Any = None  # state.Views: rank threads' own copies of updated buffers
+        # pushed again in backward (backward.py): converts a recompute or a tensor hook
+        self.in_backward = False
+        self.regions = Regions(self)  # the forward's activation-checkpoint regions
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -212,6 +216,7 @@ class _Run:
         finally:
             _context.set_converting(self._prev_converting)
             _local.run = None
+            self.regions.close()
 
     def suspend(self) -> None:
         self.suspended += 1
@@ -220,8 +225,8 @@ class _Run:
 
     def resume(self) -> None:
         self.suspended -= 1
-        if not self.suspended:
-            _context.set_converting(True)
+        if not self.suspended:  # in backward spmd's own autograd Functions communicate
+            _context.set_converting(not self.in_backward)
 
     # -- what rules use ------------------------------------------------------------------------
 
@@ -292,13 +297,17 @@ class _Run:
     # -- the dispatch --------------------------------------------------------------------------
 
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.internal:
+        if self.internal or (self.in_backward and not converts()):
             return func(*args, **kwargs)
         if self.views is not None:  # this rank thread's copies of the updated buffers
             args = self.views.swap(args)
             kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}
-            return self.views.unswap(self._call(func, args, kwargs))
-        return self._call(func, args, kwargs)
+            res = self.views.unswap(self._call(func, args, kwargs))
+        else:
+            res = self._call(func, args, kwargs)
+        if not self.in_backward:
+            self.regions.see(res)
+        return res
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.suspended:

@@ -1,0 +1,330 @@
+"""Code a converted forward leaves to backward, run under the same conversion.
+
+Two kinds of user code run in backward, after the converted forward has returned:
+
+- activation checkpointing's recompute: ``torch.utils.checkpoint.checkpoint(fn, x,
+  use_reentrant=False)`` keeps no activations of ``fn`` and runs ``fn`` again when
+  backward first needs one of them;
+- tensor hooks: ``h.register_hook(fn)`` runs ``fn`` on the gradient of ``h``.
+
+Both must see what they saw in the forward: the same swaps (a ``sum`` over a split dim
+is ``spmd.reduce``), the same splits of their inputs. The forward marks every autograd
+node made inside a checkpoint region with a pre-hook that pushes the interpreter again
+(a non-planning run of the same ``Config``, on whichever thread autograd runs the node)
+and a post-hook that pops it; a tensor hook is wrapped so that its body runs inside one,
+the gradient tagged like ``h``. While such a run is pushed, a torch call is converted
+only where it comes from the recompute or the hook body; spmd's own backward code (the
+twins' autograd Functions, which communicate) runs as it is.
+
+``use_reentrant=True`` recomputes in a nested ``torch.autograd.backward``, which torch
+refuses under ``torch.autograd.grad`` (what shard_map runs on every rank): it is refused
+in the plan, before anything runs.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.checkpoint
+
+from ..core import _context
+from ..core.errors import SpecError
+from ._tags import entries_of, set_tag, spec_of, tag_of
+
+if TYPE_CHECKING:
+    from .interpreter import _Run
+
+__all__ = ["Regions", "tensor_hook", "converts", "backward_hooks_problem"]
+
+_CHECKPOINT_FILE = torch.utils.checkpoint.detach_variable.__code__.co_filename
+_HERE = os.path.abspath(__file__)
+_SPMD_DIR = os.path.dirname(os.path.dirname(_HERE))
+_INTERPRETER = os.path.join(os.path.dirname(_HERE), "interpreter.py")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_local = threading.local()
+
+REENTRANT_FIX = ("pass use_reentrant=False (torch's recommended setting), which convert "
+                 "recomputes under the same conversion")
+
+
+def _checkpoint_frame(stop: Any) -> Any:
+    """The innermost ``torch.utils.checkpoint.checkpoint`` call on the stack, up to
+    ``stop`` (the converted forward's caller); None outside any."""
+    f = inspect.currentframe()
+    while f is not None and f is not stop:
+        code = f.f_code
+        if code.co_name == "checkpoint" and code.co_filename == _CHECKPOINT_FILE:
+            return f
+        f = f.f_back
+    return None
+
+
+def _user_caller(frame: Any) -> Any:
+    """The first frame below ``frame`` that is neither torch's nor spmd's."""
+    f = frame.f_back
+    while f is not None and (f.f_code.co_filename.startswith(_SPMD_DIR) or
+                             f.f_code.co_filename.startswith(_TORCH_DIR)):
+        f = f.f_back
+    return f
+
+
+def converts() -> bool:
+    """In a run pushed in backward: whether the torch call being dispatched comes from a
+    checkpoint's recompute or a tensor hook's body (convert it), not from spmd's own
+    backward code or from anything else autograd runs (leave it as it is)."""
+    f = inspect.currentframe()
+    while f is not None:
+        code = f.f_code
+        name = code.co_filename
+        if name == _CHECKPOINT_FILE or code is _HOOK_CODE:
+            return True
+        if name.startswith(_SPMD_DIR) and name not in (_HERE, _INTERPRETER):
+            return False
+        f = f.f_back
+    return False
+
+
+class _Pushed:
+    """A non-planning run of ``cfg`` pushed on the thread autograd runs a node on (the
+    rank context of the forward pushed too: autograd may use another thread)."""
+
+    __slots__ = ("cfg", "rank", "path")
+
+    def __init__(self, run: _Run):
+        self.cfg = run.cfg
+        stack = _context._stack()
+        self.rank = stack[-1] if stack else None
+        self.path = run.paths[-1] if run.paths else run.cfg.name
+
+    def enter(self, *_: Any) -> None:
+        from .interpreter import _local as run_local
+        from .interpreter import _Run
+        run = _Run(self.cfg, planning=False)
+        run.in_backward = True
+        run.paths.append(self.path)
+        run.base = None
+        if self.rank is not None:
+            _context.push(*self.rank)
+        saved = (getattr(run_local, "run", None), _context.set_converting(False))
+        run_local.run = run
+        run.mode.__enter__()
+        _pushed().append((run, saved))
+
+    def leave(self, *_: Any) -> None:
+        from .interpreter import _local as run_local
+        stack = _pushed()
+        if not stack:
+            return
+        run, (prev, converting) = stack.pop()
+        try:
+            run.mode.__exit__(None, None, None)
+        finally:
+            _context.set_converting(converting)
+            run_local.run = prev
+            if self.rank is not None:
+                _context.pop()
+
+
+def _pushed() -> list:
+    s = getattr(_local, "pushed", None)
+    if s is None:
+        s = _local.pushed = []
+    return s
+
+
+class Regions:
+    """The checkpoint regions of one converted forward (or its plan)."""
+
+    def __init__(self, run: _Run):
+        self.run = run
+        self.regions: dict[int, tuple[Any, _Pushed | None]] = {}  # by the checkpoint frame
+        self.seen: dict[int, Any] = {}  # autograd nodes walked (kept alive: ids stay unique)
+        self.layers: set[str] = set()  # paths (relative) of layers run inside a region (plan)
+
+    def see(self, res: Any) -> None:
+        """After a torch call of the forward: if it ran inside a checkpoint region, mark
+        the autograd nodes it made (or, in the plan, refuse ``use_reentrant=True``)."""
+        run = self.run
+        if not run.planning and not _has_node(res):
+            return
+        frame = _checkpoint_frame(run.base)
+        if frame is None:
+            return
+        region = self.regions.get(id(frame))
+        if region is None:
+            region = self._open(frame)
+        if run.planning:
+            path = run.paths[-1] if run.paths else run.cfg.name
+            self.layers.add("" if path == run.cfg.name else path.strip("'"))
+            return
+        if region[1] is not None:
+            self._mark(res, region[1])
+
+    def _open(self, frame: Any) -> tuple:
+        run = self.run
+        local = frame.f_locals
+        reentrant = local.get("use_reentrant")
+        pushed = None if reentrant or not torch.is_grad_enabled() else _Pushed(run)
+        region = (frame, pushed)
+        self.regions[id(frame)] = region
+        if reentrant and run.plan is not None:
+            from .interpreter import _Entry
+            caller = _user_caller(frame)
+            line = f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})" \
+                if caller is not None and caller is not run.base else ""
+            path = run.paths[-1] if run.paths else run.cfg.name
+            run.plan.entries.append(_Entry(
+                "refused", f"in {path}{line}", "torch.utils.checkpoint(use_reentrant=True)",
+                "recomputes in a nested torch.autograd.backward, which torch refuses under "
+                "torch.autograd.grad (shard_map's backward on every rank); "
+                + REENTRANT_FIX))
+        if pushed is not None:  # the region's inputs: where its graph starts
+            for a in local.get("args", ()):
+                if isinstance(a, torch.Tensor) and a.grad_fn is not None:
+                    self.seen[id(a.grad_fn)] = a.grad_fn
+        return region
+
+    def _mark(self, res: Any, pushed: _Pushed) -> None:
+        todo = [t.grad_fn for t in _tensors(res) if t.grad_fn is not None]
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in self.seen:
+                continue
+            self.seen[id(node)] = node
+            if not node.next_functions and "AccumulateGrad" in node.name():
+                continue  # a leaf's: saves nothing
+            node.register_prehook(pushed.enter)
+            node.register_hook(pushed.leave)
+            todo.extend(n for n, _ in node.next_functions)
+
+    def close(self) -> None:
+        self.regions.clear()
+        self.seen.clear()
+
+
+def _tensors(res: Any):
+    if isinstance(res, torch.Tensor):
+        yield res
+    elif isinstance(res, (tuple, list)):
+        for r in res:
+            yield from _tensors(r)
+
+
+def _has_node(res: Any) -> bool:
+    return any(t.grad_fn is not None for t in _tensors(res))
+
+
+# -- tensor hooks -------------------------------------------------------------------------------
+
+class _Hook:
+    """A tensor hook of a converted forward: its body runs under the conversion, on the
+    gradient tagged like the hooked tensor."""
+
+    def __init__(self, run: _Run, fn: Callable, entries: tuple, where: str):
+        self.fn, self.entries, self.where = fn, entries, where
+        self.mesh = run.mesh
+        self.pushed = _Pushed(run)
+
+    def __call__(self, g: torch.Tensor) -> Any:
+        self.pushed.enter()
+        try:
+            if len(self.entries) == g.ndim:
+                g = g.view_as(g)  # an alias to tag: the engine's tensor is left alone
+                set_tag(g, self.mesh, self.entries)
+            out = self.fn(g)
+            _check_hook_result(self, out)
+            return out
+        finally:
+            self.pushed.leave()
+
+
+_HOOK_CODE = _Hook.__call__.__code__
+
+
+def _check_hook_result(hook: Any, out: Any) -> None:
+    problem = _hook_problem(hook, out)
+    if problem:
+        raise SpecError(f"convert: {hook.where}: the tensor hook {problem}")
+
+
+def _hook_problem(hook: Any, out: Any) -> str:
+    """What is wrong with a tensor hook's result ('' if nothing)."""
+    if out is None or not isinstance(out, torch.Tensor):
+        return ""
+    tag = tag_of(out)
+    if tag is not None and tag.poisoned:
+        return ""  # the plan already refused the call that made it
+    got = entries_of(out, hook.mesh)
+    if out.ndim == len(hook.entries) and got == tuple(hook.entries):
+        return ""
+    return (f"returns a gradient split as {spec_of(got)!r}, but the hooked tensor's gradient "
+            f"is split as {spec_of(tuple(hook.entries))!r}; return a tensor computed from the "
+            f"gradient position by position (g * s, g / g.abs().amax(), g.clamp(...))")
+
+
+def tensor_hook(c: Any) -> Any:
+    """``h.register_hook(fn)`` in a converted forward: ``fn`` runs in backward under the
+    conversion, its gradient tagged like ``h``. In the plan it runs once on a meta
+    stand-in of the gradient, so that its calls are checked before anything runs."""
+    h = c.args[0]
+    fn = c.args[1] if len(c.args) > 1 else c.kwargs.get("hook")
+    run = c.run
+    if not isinstance(h, torch.Tensor) or not callable(fn):
+        return c.call()
+    entries = c.ent(h)
+    where = run.where()
+    hook = _Hook(run, fn, entries, where)
+    if run.planning:
+        g = torch.empty(h.shape, dtype=h.dtype, device="meta")
+        set_tag(g, run.mesh, entries)
+        try:
+            with run.mode:
+                out = fn(g)
+        except SpecError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a hook that reads values cannot run on meta
+            run.plan.notes.append(f"the tensor hook {where} could not be checked in the "
+                                  f"plan ({type(e).__name__}); it is checked as it runs")
+        else:
+            problem = _hook_problem(hook, out)
+            if problem:
+                from .interpreter import _Entry
+                run.plan.entries.append(_Entry("refused", where, "x.register_hook(fn):",
+                                               "fn " + problem))
+    args = (c.args[0], hook) + tuple(c.args[2:])
+    kwargs = {k: v for k, v in c.kwargs.items() if k != "hook"}
+    return c.call(args=args, kwargs=kwargs)
+
+
+# -- module backward hooks ----------------------------------------------------------------------
+
+def backward_hooks_problem(module: torch.nn.Module) -> str:
+    """Why a layer's backward hooks (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``) would be wrong on shards ('' without any): torch
+    hands them this rank's part of the gradients, outside the conversion."""
+    if not (getattr(module, "_backward_hooks", None) or
+            getattr(module, "_backward_pre_hooks", None)):
+        return ""
+    return ("has a backward hook (register_full_backward_hook or "
+            "register_full_backward_pre_hook), which torch runs on this rank's part of the "
+            "gradients, outside the conversion: a hook that reduces or clips them would give "
+            "other numbers than on one device; register a tensor hook in the layer's forward "
+            "instead (output.register_hook(fn): convert runs it under the conversion), or "
+            "apply it to the gradients after backward, outside the converted model")
+
+
+def recomputed_state(regions: Regions, changes: list) -> list:
+    """The changes (``state.Change``) a checkpoint's recompute makes again, as plan
+    refusals for rank threads that share the layers."""
+    from .interpreter import _Entry
+    return [_Entry("refused", f"in {c.path}", f"self.{c.attr}",
+                   f"{c.what} inside torch.utils.checkpoint, whose recompute in backward "
+                   f"updates it again; the rank threads of a threads mesh share the layer and "
+                   f"would each apply that second update: move the layer out of the "
+                   f"checkpointed function, or train on processes (spmd.launch(..., "
+                   f"backend='gloo') or torchrun), where each rank updates its own copy as "
+                   f"one device does") for c in changes if c.rel in regions.layers]
