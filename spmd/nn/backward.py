@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
+from torch.overrides import TorchFunctionMode
 
 from ..core import _context
 from ..core.errors import SpecError
@@ -92,13 +93,18 @@ class _Pushed:
     """A non-planning run of ``cfg`` pushed on the thread autograd runs a node on (the
     rank context of the forward pushed too: autograd may use another thread)."""
 
-    __slots__ = ("cfg", "rank", "path")
+    __slots__ = ("cfg", "rank", "path", "rng")
 
-    def __init__(self, run: _Run):
+    def __init__(self, run: _Run, rng: bool = False):
         self.cfg = run.cfg
         stack = _context._stack()
         self.rank = stack[-1] if stack else None
         self.path = run.paths[-1] if run.paths else run.cfg.name
+        # A rank thread draws from its own generator state, which checkpoint's restore
+        # of torch's generator does not reach: the recompute starts from the state the
+        # region's forward started from (processes: checkpoint restores it itself).
+        mode = _rank_random() if rng else None
+        self.rng = mode.state.clone() if mode is not None else None
 
     def enter(self, *_: Any) -> None:
         from .interpreter import _local as run_local
@@ -111,22 +117,60 @@ class _Pushed:
             _context.push(*self.rank)
         saved = (getattr(run_local, "run", None), _context.set_converting(False))
         run_local.run = run
+        # autograd runs the node without the rank thread's random mode: pushed again,
+        # under the interpreter's, at the region's starting state
+        mode = _RegionRandom(self.rng) if self.rng is not None else None
+        if mode is not None:
+            mode.__enter__()
         run.mode.__enter__()
-        _pushed().append((run, saved))
+        _pushed().append((run, saved, mode))
 
     def leave(self, *_: Any) -> None:
         from .interpreter import _local as run_local
         stack = _pushed()
         if not stack:
             return
-        run, (prev, converting) = stack.pop()
+        run, (prev, converting), mode = stack.pop()
         try:
             run.mode.__exit__(None, None, None)
+            if mode is not None:
+                mode.__exit__(None, None, None)
         finally:
             _context.set_converting(converting)
             run_local.run = prev
             if self.rank is not None:
                 _context.pop()
+
+
+class _RegionRandom(TorchFunctionMode):
+    """A recompute's random draws on a rank thread: from the rank's generator state at
+    the start of the checkpoint region, as the forward drew them. (Checkpoint sets and
+    restores torch's shared generator around the recompute, which the rank thread's own
+    mode would take for a seed set on a rank thread.)"""
+
+    def __init__(self, state: torch.Tensor):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from ..comm import rank_threads
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in rank_threads._RANDOM:
+            return func(*args, **kwargs)
+        with rank_threads._rng_lock:
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+
+def _rank_random() -> Any:
+    """The per-rank random generator mode of this rank thread (threads mesh), if any."""
+    from ..comm import rank_threads
+    return getattr(rank_threads._active, "mode", None)
 
 
 def _pushed() -> list:
@@ -141,34 +185,38 @@ class Regions:
 
     def __init__(self, run: _Run):
         self.run = run
-        self.regions: dict[int, tuple[Any, _Pushed | None]] = {}  # by the checkpoint frame
+        # by the checkpoint frame, which the tuple keeps alive: ids stay unique
+        self.regions: dict[int, tuple[Any, _Pushed | None]] = {}
+        self.current: tuple | None = None
         self.seen: dict[int, Any] = {}  # autograd nodes walked (kept alive: ids stay unique)
         self.layers: set[str] = set()  # paths (relative) of layers run inside a region (plan)
 
-    def see(self, res: Any) -> None:
-        """After a torch call of the forward: if it ran inside a checkpoint region, mark
-        the autograd nodes it made (or, in the plan, refuse ``use_reentrant=True``)."""
+    def before(self) -> None:
+        """Before a torch call of the forward: the checkpoint region it runs in, if any
+        (opened at its first call: the rank's random state is taken there)."""
         run = self.run
-        if not run.planning and not _has_node(res):
-            return
+        self.current = None
+        if not (run.planning or torch.is_grad_enabled()):
+            return  # nothing to recompute; a plan is made whatever the grad mode
         frame = _checkpoint_frame(run.base)
         if frame is None:
             return
-        region = self.regions.get(id(frame))
-        if region is None:
-            region = self._open(frame)
+        self.current = self.regions.get(id(frame)) or self._open(frame)
         if run.planning:
             path = run.paths[-1] if run.paths else run.cfg.name
             self.layers.add("" if path == run.cfg.name else path.strip("'"))
-            return
-        if region[1] is not None:
+
+    def after(self, res: Any) -> None:
+        """After it: mark the autograd nodes it made inside a region."""
+        region = self.current
+        if region is not None and region[1] is not None and not self.run.planning:
             self._mark(res, region[1])
 
     def _open(self, frame: Any) -> tuple:
         run = self.run
         local = frame.f_locals
         reentrant = local.get("use_reentrant")
-        pushed = None if reentrant or not torch.is_grad_enabled() else _Pushed(run)
+        pushed = None if reentrant or not torch.is_grad_enabled() else _Pushed(run, rng=True)
         region = (frame, pushed)
         self.regions[id(frame)] = region
         if reentrant and run.plan is not None:

@@ -299,6 +299,8 @@ class _Run:
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if self.internal or (self.in_backward and not converts()):
             return func(*args, **kwargs)
+        if not self.in_backward:
+            self.regions.before()
         if self.views is not None:  # this rank thread's copies of the updated buffers
             args = self.views.swap(args)
             kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}
@@ -306,7 +308,7 @@ class _Run:
         else:
             res = self._call(func, args, kwargs)
         if not self.in_backward:
-            self.regions.see(res)
+            self.regions.after(res)
         return res
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:

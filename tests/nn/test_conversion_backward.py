@@ -125,6 +125,26 @@ def test_the_plan_with_example_sees_into_the_checkpointed_function():
 
 
 
+def test_dropout_in_a_checkpoint_recomputes_the_forwards_mask():
+    """Each rank thread draws from its own generator state; the recompute starts from the
+    state the region's forward started from, so the gradients are those of the same model
+    without checkpoint (one device draws other masks: compared with itself)."""
+    body = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Dropout(0.5)).double()
+    x = _x(2, 3, 37, 5)
+    got = []
+    for ck in (True, False):
+        f = (lambda m, t: checkpoint(m.layers[0], t, use_reentrant=False)) if ck else \
+            (lambda m, t: m.layers[0](t))
+        conv = spmd.nn.convert(Fn(f, body), MESH, H)
+        xx = x.clone().requires_grad_()
+        torch.manual_seed(0)
+        y = spmd.shard_map(conv, MESH, H, H)(xx)
+        (y * y).sum().backward()
+        got.append((y.detach(), xx.grad))
+    assert torch.equal(got[0][0], got[1][0])
+    torch.testing.assert_close(got[0][1], got[1][1], rtol=1e-12, atol=1e-12)
+
+
 def test_state_updated_in_a_checkpoint_is_refused_on_rank_threads():
     """The recompute updates BatchNorm's running statistics a second time (as on one
     device); rank threads sharing the layer would each apply it: refused in the plan."""
