@@ -24,7 +24,7 @@ H = P(None, None, "sp")  # (N, C, H, W) split along H
 S = P(None, "sp")  # (N, L, E) split along the sequence
 
 
-MESH = spmd.Mesh((4,), ("sp",))
+MESH = spmd.Mesh((4,), ("sp",), "threads")  # "threads" also where a worker process imports this
 
 
 def _x(*shape):
