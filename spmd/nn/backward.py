@@ -109,13 +109,17 @@ class _Pushed:
     def enter(self, *_: Any) -> None:
         from .interpreter import _local as run_local
         from .interpreter import _Run
+        clean()
         run = _Run(self.cfg, planning=False)
         run.in_backward = True
+        run.mode = _Probed(run)
         run.paths.append(self.path)
         run.base = None
-        if self.rank is not None:
+        stack = _context._stack()
+        pushed_rank = self.rank is not None and (not stack or stack[-1] != self.rank)
+        if pushed_rank:  # autograd may run the node on a thread of its own
             _context.push(*self.rank)
-        saved = (getattr(run_local, "run", None), _context.set_converting(False))
+        saved = (getattr(run_local, "run", None), _context.set_converting(False), pushed_rank)
         run_local.run = run
         # autograd runs the node without the rank thread's random mode: pushed again,
         # under the interpreter's, at the region's starting state
@@ -126,20 +130,57 @@ class _Pushed:
         _pushed().append((run, saved, mode))
 
     def leave(self, *_: Any) -> None:
-        from .interpreter import _local as run_local
         stack = _pushed()
         if not stack:
             return
-        run, (prev, converting), mode = stack.pop()
+        run, saved, mode = stack.pop()
         try:
             run.mode.__exit__(None, None, None)
             if mode is not None:
                 mode.__exit__(None, None, None)
         finally:
-            _context.set_converting(converting)
-            run_local.run = prev
-            if self.rank is not None:
-                _context.pop()
+            _restore(saved)
+
+
+def _restore(saved: tuple) -> None:
+    from .interpreter import _local as run_local
+    prev, converting, pushed_rank = saved
+    _context.set_converting(converting)
+    run_local.run = prev
+    if pushed_rank:
+        _context.pop()
+
+
+class _Probed(TorchFunctionMode):
+    """The mode of a run pushed in backward; it answers a probe, so that a run whose node
+    failed (autograd then drops the node's modes, and its post-hook never comes) is told
+    from one at work."""
+
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+        self.probed = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if args and args[0] is _PROBE:
+            self.probed = True
+        return self.run.call(func, args, kwargs or {})
+
+
+_PROBE = torch.empty(0)
+
+
+def clean() -> None:
+    """Drop what runs pushed in backward left on this thread where their node failed:
+    the interpreter's current run, the rank context, the converting flag."""
+    stack = _pushed()
+    while stack:
+        run = stack[-1][0]
+        run.mode.probed = False
+        _PROBE.dim()  # every mode on torch's stack sees it
+        if run.mode.probed:
+            return
+        _restore(stack.pop()[1])
 
 
 class _RegionRandom(TorchFunctionMode):

@@ -23,7 +23,7 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
-from .backward import backward_hooks_problem, recomputed_state
+from .backward import backward_hooks_problem, clean, recomputed_state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
@@ -242,6 +242,9 @@ class Enter:
         frame = _Frame(module)
         frames.append(frame)  # first: the exit hook pops it even if what follows raises
         run = _current()
+        if run is not None and run.in_backward:
+            clean()  # a run left by a node that failed in backward is no longer current
+            run = _current()
         if run is not None:
             run.internal += 1
             try:
