@@ -229,6 +229,9 @@ class Regions:
         # by the checkpoint frame, which the tuple keeps alive: ids stay unique
         self.regions: dict[int, tuple[Any, _Pushed | None]] = {}
         self.current: tuple | None = None
+        # The call of the layer this forward entered by: a checkpoint around it is the
+        # caller's (the layer converts itself again in the recompute), not the forward's.
+        self.top = _entry_call()
         self.seen: dict[int, Any] = {}  # autograd nodes walked (kept alive: ids stay unique)
         self.layers: set[str] = set()  # paths (relative) of layers run inside a region (plan)
 
@@ -239,7 +242,7 @@ class Regions:
         self.current = None
         if not (run.planning or torch.is_grad_enabled()):
             return  # nothing to recompute; a plan is made whatever the grad mode
-        frame = _checkpoint_frame(run.base)
+        frame = _checkpoint_frame(self.top)
         if frame is None:
             return
         self.current = self.regions.get(id(frame)) or self._open(frame)
@@ -293,6 +296,18 @@ class Regions:
     def close(self) -> None:
         self.regions.clear()
         self.seen.clear()
+        self.top = None
+
+
+_MODULE_CALL = torch.nn.Module.__call__.__code__
+
+
+def _entry_call() -> Any:
+    """The innermost ``nn.Module.__call__`` frame on the stack (None outside any)."""
+    f = inspect.currentframe()
+    while f is not None and f.f_code is not _MODULE_CALL:
+        f = f.f_back
+    return f
 
 
 def _tensors(res: Any):

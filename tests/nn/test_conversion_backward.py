@@ -167,6 +167,17 @@ def test_a_recompute_that_raises_leaves_nothing_behind():
                                  _x(2, 3, 37, 5))
 
 
+def test_a_converted_layer_inside_a_checkpoint_of_the_caller():
+    """A converted model called inside a checkpoint of unconverted code: its plan is
+    made in the forward (checkpoint's saved-tensor hooks do not see the plan's meta
+    tensors) and the recompute enters it again from outside, converted as in the forward."""
+    plain = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3)).double()
+    outer = Fn(lambda m, t: checkpoint(m.layers[0], t, use_reentrant=False),
+               spmd.nn.convert(plain, MESH, H))
+    assert_matches_single_device(outer, Fn(lambda m, t: m.layers[0](t), plain), MESH, H, H,
+                                 _x(2, 3, 37, 5))
+
+
 def test_state_updated_in_a_checkpoint_is_refused_on_rank_threads():
     """The recompute updates BatchNorm's running statistics a second time (as on one
     device); rank threads sharing the layer would each apply it: refused in the plan."""
