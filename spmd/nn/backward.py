@@ -326,21 +326,35 @@ def _has_node(res: Any) -> bool:
 
 class _Hook:
     """A tensor hook of a converted forward: its body runs under the conversion, on the
-    gradient tagged like the hooked tensor."""
+    gradient tagged like the hooked tensor.
+
+    Over the mesh axes the tensor is not split on (a mean over the split dims, whole on
+    every rank), each rank holds a part of its gradient, the parts adding up to it
+    (shard_map's convention): the body gets their sum (``spmd.psum``, every rank of
+    those axes alike, in the graph's order) and its result goes on divided by their
+    number, the parts that the backward's own sums add up again."""
 
     def __init__(self, run: _Run, fn: Callable, entries: tuple, where: str):
         self.fn, self.entries, self.where = fn, entries, where
-        self.mesh = run.mesh
+        self.mesh = mesh = run.mesh
+        used = {a for e in entries if e for a in e}
+        self.axes = tuple(a for a in mesh.axis_names
+                          if a not in used and mesh.axis_size(a) > 1)
         self.pushed = _Pushed(run)
 
     def __call__(self, g: torch.Tensor) -> Any:
         self.pushed.enter()
         try:
+            if self.axes:
+                from ..collectives import psum
+                g = psum(g, self.axes)
             if len(self.entries) == g.ndim:
                 g = g.view_as(g)  # an alias to tag: the engine's tensor is left alone
                 set_tag(g, self.mesh, self.entries)
             out = self.fn(g)
             _check_hook_result(self, out)
+            if self.axes and isinstance(out, torch.Tensor):
+                out = out / self.mesh.axis_size(self.axes)
             return out
         finally:
             self.pushed.leave()

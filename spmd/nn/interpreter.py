@@ -55,6 +55,7 @@ _CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7
 #: sizes mod 2 ** 7 and mod 7 stay, so pools and patches divide as before and branches on
 #: them agree.
 _SHIFT = _CANONICAL
+_REGISTER_HOOK = torch.Tensor.register_hook
 _CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
              "linspace", "logspace", "eye", "randperm", "tensor", "as_tensor"}
 
@@ -325,7 +326,7 @@ class _Run:
             res = self.execute(func, args, kwargs)
             self._poison(res)
             return res
-        if not split:
+        if not split and func is not _REGISTER_HOOK:  # a hook on a whole tensor: its rule
             return self.execute(func, args, kwargs)
         if not args and "input" in kwargs:  # F.conv2d(input=x, ...): rules read args[0]
             kwargs = dict(kwargs)

@@ -210,6 +210,21 @@ def test_a_tensor_hook_runs_under_the_conversion():
     assert_matches_single_device(conv, model, MESH, H, P(), _x(2, 3, 37, 5))
 
 
+def test_a_hook_on_a_whole_tensor_gets_the_whole_gradient():
+    """Each rank holds a part of a whole tensor's gradient (the parts add up to it): the
+    hook body gets their sum, so that clipping it is exact."""
+    def f(m, x):
+        h = x.mean((2, 3))
+        if h.requires_grad:
+            h.register_hook(lambda g: g.clamp(-0.3, 0.3))
+        return m.layers[0](h) + (x * h[:, :, None, None]).mean((2, 3))
+    model = Fn(f, nn.Linear(3, 3)).double()
+    x = _x(2, 3, 37, 5)
+    assert (torch.func.grad(lambda h: (model.layers[0](h) + h * x.mean((2, 3))).sum())(
+        x.mean((2, 3))).abs() > 0.3).any()  # the clamp bites
+    assert_matches_single_device(spmd.nn.convert(model, MESH, H), model, MESH, H, P(), x)
+
+
 def test_a_hook_in_a_checkpointed_function_and_allow_running_it_as_is():
     model = Fn(lambda m, t: checkpoint(_hooked_body, m.layers[0](t), use_reentrant=False),
                nn.Conv2d(3, 2, 3, padding=1)).double()
