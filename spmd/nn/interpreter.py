@@ -6,7 +6,8 @@ the converted forward, on the calling thread) sees every torch call the forward 
 in ``nn.Module`` layers, in functional calls, in helpers, in any Python control flow.
 Each call goes to its rule (``rules.py``), which reads the split of its inputs from their
 tags and tags its outputs. Nothing global is patched: other threads and code outside
-the converted forward are untouched.
+the converted forward are untouched. Code the forward leaves to backward (an activation
+checkpoint's recompute, a tensor hook) runs under it again (``backward.py``).
 
 Before the first real call with a given input signature, the forward runs on meta tensors
 (no memory, no communication), every split dim given a stand-in size: this is the *plan*
