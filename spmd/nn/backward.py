@@ -270,7 +270,8 @@ class Regions:
                 if caller is not None and caller is not run.base else ""
             path = run.paths[-1] if run.paths else run.cfg.name
             run.plan.entries.append(_Entry(
-                "refused", f"in {path}{line}", "torch.utils.checkpoint(use_reentrant=True)",
+                "refused", f"in {path}{line}",
+                "torch.utils.checkpoint(use_reentrant=True, torch's default where not given)",
                 "recomputes in a nested torch.autograd.backward, which torch refuses under "
                 "torch.autograd.grad (shard_map's backward on every rank); "
                 + REENTRANT_FIX))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _modules import Fn
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import spmd
 from spmd import P
@@ -84,7 +84,8 @@ def test_a_reentrant_checkpoint_is_refused_before_anything_runs(name):
     msg = str(e.value)
     assert "nothing has run" in msg
     assert "(test_conversion_backward.py:" in msg
-    assert ("torch.utils.checkpoint(use_reentrant=True) recomputes in a nested "
+    assert ("torch.utils.checkpoint(use_reentrant=True, torch's default where not given) "
+            "recomputes in a nested "
             "torch.autograd.backward, which torch refuses under torch.autograd.grad "
             "(shard_map's backward on every rank); pass use_reentrant=False") in msg
 
@@ -107,6 +108,15 @@ def test_a_checkpointed_block_inside_sequential_trains_like_one_device():
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 1)).double()
     conv = spmd.nn.convert(model, MESH, H)
     assert_matches_single_device(conv, model, MESH, H, P(), _x(2, 2, 37, 5))
+
+
+def test_checkpoint_sequential():
+    seq = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.GroupNorm(1, 3), nn.GELU(),
+                        nn.Conv2d(3, 2, 3, padding=1), nn.GroupNorm(1, 2)).double()
+    model = Fn(lambda m, t: checkpoint_sequential(m.layers[0], 2, t, use_reentrant=False),
+               seq)
+    assert_matches_single_device(spmd.nn.convert(model, MESH, H), model, MESH, H, H,
+                                 _x(2, 3, 37, 5))
 
 
 def test_the_plan_with_example_sees_into_the_checkpointed_function():
