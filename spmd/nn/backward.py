@@ -39,7 +39,8 @@ from ._tags import entries_of, set_tag, spec_of, tag_of
 if TYPE_CHECKING:
     from .interpreter import _Run
 
-__all__ = ["Regions", "tensor_hook", "converts", "backward_hooks_problem"]
+__all__ = ["Regions", "tensor_hook", "converts", "backward_hooks_problem", "late_hooks",
+           "clean", "recomputed_state"]
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.detach_variable.__code__.co_filename
 _HERE = os.path.abspath(__file__)
@@ -447,3 +448,14 @@ def recomputed_state(regions: Regions, changes: list) -> list:
                    f"checkpointed function, or train on processes (spmd.launch(..., "
                    f"backend='gloo') or torchrun), where each rank updates its own copy as "
                    f"one device does") for c in changes if c.rel in regions.layers]
+
+
+def late_hooks(module: torch.nn.Module, path: str) -> None:
+    """Raise, before the forward runs, where a layer got backward hooks after its plan
+    was made (``convert(..., example=...)``, then ``register_full_backward_hook``)."""
+    for name, m in module.named_modules():
+        problem = backward_hooks_problem(m)
+        if problem:
+            where = f"'{name}'" if name else path
+            raise SpecError(f"convert: in {where}: {type(m).__name__} {problem}; nothing has "
+                            f"run")

@@ -23,7 +23,7 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
-from .backward import backward_hooks_problem, clean, recomputed_state
+from .backward import backward_hooks_problem, clean, late_hooks, recomputed_state
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
@@ -259,6 +259,7 @@ class Enter:
         plan = self.cfg.planned(module, self.path, args, kwargs)
         if plan.refused:
             raise plan.error()
+        late_hooks(module, self.path)  # registered after the plan was made
         if self.cfg.strict and plan.incomplete:
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")

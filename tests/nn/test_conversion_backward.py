@@ -292,6 +292,17 @@ def test_a_layers_backward_hook_is_refused_before_anything_runs():
                 "register_full_backward_pre_hook), which torch runs on this rank's part of "
                 "the gradients, outside the conversion") in str(e.value)
         assert "output.register_hook(fn)" in str(e.value)
+    # registered after the plan was made (a first call): raised before the forward runs
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1))
+    conv = spmd.nn.convert(model.double(), mesh, H)
+    x = _x(2, 3, 37, 5).requires_grad_()
+    spmd.shard_map(conv, mesh, H, H)(x)
+    conv[1].register_full_backward_hook(lambda mod, gi, go: None)
+    with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+        spmd.shard_map(conv, mesh, H, H)(x)
+    assert stats.calls() == 0
+    assert "convert: in '1': Conv2d has a backward hook" in str(e.value)
+    assert "nothing has run" in str(e.value)
 
 
 def test_forward_hooks_run_inside_the_converted_forward():
