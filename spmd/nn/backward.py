@@ -53,10 +53,10 @@ REENTRANT_FIX = ("pass use_reentrant=False (torch's recommended setting), which 
                  "recomputes under the same conversion")
 
 
-def _checkpoint_frame(stop: Any) -> Any:
-    """The innermost ``torch.utils.checkpoint.checkpoint`` call on the stack, up to
-    ``stop`` (the converted forward's caller); None outside any."""
-    f = inspect.currentframe()
+def _checkpoint_frame(stop: Any, start: Any = None) -> Any:
+    """The innermost ``torch.utils.checkpoint.checkpoint`` call on the stack (from
+    ``start``), up to ``stop`` (the converted forward's call); None outside any."""
+    f = inspect.currentframe() if start is None else start
     while f is not None and f is not stop:
         code = f.f_code
         if code.co_name == "checkpoint" and code.co_filename == _CHECKPOINT_FILE:
@@ -264,23 +264,34 @@ class Regions:
         pushed = None if reentrant or not torch.is_grad_enabled() else _Pushed(run, rng=True)
         region = (frame, pushed)
         self.regions[id(frame)] = region
-        if reentrant and run.plan is not None:
-            from .interpreter import _Entry
-            caller = _user_caller(frame)
-            line = f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})" \
-                if caller is not None and caller is not run.base else ""
-            path = run.paths[-1] if run.paths else run.cfg.name
-            run.plan.entries.append(_Entry(
-                "refused", f"in {path}{line}",
-                "torch.utils.checkpoint(use_reentrant=True, torch's default where not given)",
-                "recomputes in a nested torch.autograd.backward, which torch refuses under "
-                "torch.autograd.grad (shard_map's backward on every rank); "
-                + REENTRANT_FIX))
+        if run.plan is not None and reentrant:
+            self._refuse(frame, "torch.utils.checkpoint(use_reentrant=True, torch's default "
+                         "where not given)",
+                         "recomputes in a nested torch.autograd.backward, which torch refuses "
+                         "under torch.autograd.grad (shard_map's backward on every rank); "
+                         + REENTRANT_FIX)
+        elif _checkpoint_frame(None, frame.f_back) is not None:
+            # also one around the converted model's call, in the caller
+            detail = ("inside the function of another checkpoint: the two recomputes are "
+                      "not followed together (torch raises a CheckpointError in backward); "
+                      "checkpoint the blocks one after the other, or only the outer one")
+            if run.plan is None:  # a plan made outside that checkpoint: raised as it runs
+                raise SpecError(f"convert: {run.where()}: torch.utils.checkpoint {detail}")
+            self._refuse(frame, "torch.utils.checkpoint", detail)
         if pushed is not None:  # the region's inputs: where its graph starts
             for a in local.get("args", ()):
                 if isinstance(a, torch.Tensor) and a.grad_fn is not None:
                     self.seen[id(a.grad_fn)] = a.grad_fn
         return region
+
+    def _refuse(self, frame: Any, call: str, detail: str) -> None:
+        from .interpreter import _Entry
+        run = self.run
+        caller = _user_caller(frame)
+        line = f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})" \
+            if caller is not None and caller is not run.base else ""
+        path = run.paths[-1] if run.paths else run.cfg.name
+        run.plan.entries.append(_Entry("refused", f"in {path}{line}", call, detail))
 
     def _mark(self, res: Any, pushed: _Pushed) -> None:
         todo = [t.grad_fn for t in _tensors(res) if t.grad_fn is not None]

@@ -188,6 +188,26 @@ def test_a_converted_layer_inside_a_checkpoint_of_the_caller():
                                  _x(2, 3, 37, 5))
 
 
+def test_a_checkpoint_inside_another_is_refused_before_anything_runs():
+    """Nested regions (in the forward, or a checkpoint of the caller around the converted
+    model) are not followed together: refused, naming the inner checkpoint's line."""
+    def nested(m, t):
+        return checkpoint(lambda u: checkpoint(lambda v: v * v.sum(2, keepdim=True),
+                                               m.layers[0](u), use_reentrant=False),
+                          t, use_reentrant=False)
+    inner = Fn(nested, nn.Conv2d(3, 3, 3, padding=1)).double()
+    caller = Fn(lambda m, t: checkpoint(m.layers[0], t, use_reentrant=False),
+                spmd.nn.convert(Fn(lambda m, t: checkpoint(
+                    lambda u: u * u.sum(2, keepdim=True), t, use_reentrant=False)), MESH, H))
+    for model in (spmd.nn.convert(inner, MESH, H), caller):
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+            spmd.shard_map(model, MESH, H, H)(_x(2, 3, 37, 5).requires_grad_())
+        assert stats.calls() == 0
+        assert "(test_conversion_backward.py:" in str(e.value)
+        assert ("torch.utils.checkpoint inside the function of another checkpoint: the two "
+                "recomputes are not followed together") in str(e.value)
+
+
 def test_state_updated_in_a_checkpoint_is_refused_on_rank_threads():
     """The recompute updates BatchNorm's running statistics a second time (as on one
     device); rank threads sharing the layer would each apply it: refused in the plan."""
