@@ -235,12 +235,15 @@ class Regions:
         self.top = _entry_call()
         self.seen: dict[int, Any] = {}  # autograd nodes walked (kept alive: ids stay unique)
         self.layers: set[str] = set()  # paths (relative) of layers run inside a region (plan)
+        self.hooked = False  # a layer's backward hook was refused (plan)
 
-    def before(self) -> None:
+    def before(self, args: tuple, kwargs: dict) -> None:
         """Before a torch call of the forward: the checkpoint region it runs in, if any
         (opened at its first call: the rank's random state is taken there)."""
         run = self.run
         self.current = None
+        if run.plan is not None and not self.hooked:
+            self._global_hooks(args, kwargs)
         if not (run.planning or torch.is_grad_enabled()):
             return  # nothing to recompute; a plan is made whatever the grad mode
         frame = _checkpoint_frame(self.top)
@@ -283,6 +286,23 @@ class Regions:
                 if isinstance(a, torch.Tensor) and a.grad_fn is not None:
                     self.seen[id(a.grad_fn)] = a.grad_fn
         return region
+
+    def _global_hooks(self, args: tuple, kwargs: dict) -> None:
+        """A tensor that a layer's backward hook watches (torch wraps it in its backward
+        hook function): refused once, unless the layer's own hooks already were."""
+        from .interpreter import _Entry, _flat
+        for a in _flat(args, kwargs):
+            if isinstance(a, torch.Tensor) and a.grad_fn is not None and \
+                    a.grad_fn.name() == "BackwardHookFunctionBackward":
+                self.hooked = True
+                plan = self.run.plan
+                if not any(e.detail.startswith("has a backward hook") for e in plan.entries):
+                    plan.entries.append(_Entry(
+                        "refused", self.run.where(), "a layer's backward hook",
+                        "(register_module_full_backward_hook, register_full_backward_hook "
+                        "or their pre-hooks) watches this tensor; torch runs it " +
+                        backward_hooks_problem(None).split(", which torch runs ", 1)[1]))
+                return
 
     def _refuse(self, frame: Any, call: str, detail: str) -> None:
         from .interpreter import _Entry
@@ -433,12 +453,12 @@ def tensor_hook(c: Any) -> Any:
 
 # -- module backward hooks ----------------------------------------------------------------------
 
-def backward_hooks_problem(module: torch.nn.Module) -> str:
+def backward_hooks_problem(module: torch.nn.Module | None) -> str:
     """Why a layer's backward hooks (``register_full_backward_hook``,
     ``register_full_backward_pre_hook``) would be wrong on shards ('' without any): torch
     hands them this rank's part of the gradients, outside the conversion."""
-    if not (getattr(module, "_backward_hooks", None) or
-            getattr(module, "_backward_pre_hooks", None)):
+    if module is not None and not (getattr(module, "_backward_hooks", None) or
+                                   getattr(module, "_backward_pre_hooks", None)):
         return ""
     return ("has a backward hook (register_full_backward_hook or "
             "register_full_backward_pre_hook), which torch runs on this rank's part of the "

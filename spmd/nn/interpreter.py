@@ -302,7 +302,7 @@ class _Run:
         if self.internal or (self.in_backward and not converts()):
             return func(*args, **kwargs)
         if not self.in_backward:
-            self.regions.before()
+            self.regions.before(args, kwargs)
         if self.views is not None:  # this rank thread's copies of the updated buffers
             args = self.views.swap(args)
             kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}

@@ -325,6 +325,24 @@ def test_a_layers_backward_hook_is_refused_before_anything_runs():
     assert "nothing has run" in str(e.value)
 
 
+def test_a_global_module_backward_hook_is_refused_before_anything_runs():
+    """torch.nn.modules.module.register_module_full_backward_hook: the plan sees the
+    tensors torch wraps for it."""
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1))
+    conv = spmd.nn.convert(model.double(), MESH, H)
+    handle = torch.nn.modules.module.register_module_full_backward_hook(
+        lambda mod, gi, go: None)
+    try:
+        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
+            spmd.shard_map(conv, MESH, H, H)(_x(2, 3, 37, 5).requires_grad_())
+    finally:
+        handle.remove()
+    assert stats.calls() == 0
+    assert ("a layer's backward hook (register_module_full_backward_hook, "
+            "register_full_backward_hook or their pre-hooks) watches this tensor; torch runs "
+            "it on this rank's part of the gradients, outside the conversion") in str(e.value)
+
+
 def test_forward_hooks_run_inside_the_converted_forward():
     """Forward (pre-)hooks are part of the forward: their calls are converted."""
     model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1)).double()
