@@ -49,6 +49,7 @@ _INTERPRETER = os.path.join(os.path.dirname(_HERE), "interpreter.py")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _local = threading.local()
 
+_NOOP = torch.utils.checkpoint.noop_context_fn
 REENTRANT_FIX = ("pass use_reentrant=False (torch's recommended setting), which convert "
                  "recomputes under the same conversion")
 
@@ -273,6 +274,13 @@ class Regions:
                          "recomputes in a nested torch.autograd.backward, which torch refuses "
                          "under torch.autograd.grad (shard_map's backward on every rank); "
                          + REENTRANT_FIX)
+        elif run.plan is not None and \
+                local.get("context_fn", _NOOP) is not _NOOP:
+            self._refuse(frame, "torch.utils.checkpoint(context_fn=...)",
+                         "gives the recompute contexts of its own (selective activation "
+                         "checkpointing caches the outputs of the ops it saves by their order "
+                         "at the ATen level, which convert's swaps change): drop context_fn; "
+                         "plain checkpointing of the block is exact")
         elif _checkpoint_frame(None, frame.f_back) is not None:
             # also one around the converted model's call, in the caller
             detail = ("inside the function of another checkpoint: the two recomputes are "

@@ -8,12 +8,19 @@ Refusals are checked for their message and for moving no data (``comm_stats``).
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from _modules import Fn
 from torch import nn
-from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    checkpoint_sequential,
+    create_selective_checkpoint_contexts,
+)
 
 import spmd
 from spmd import P
@@ -206,6 +213,18 @@ def test_a_checkpoint_inside_another_is_refused_before_anything_runs():
         assert "(test_conversion_backward.py:" in str(e.value)
         assert ("torch.utils.checkpoint inside the function of another checkpoint: the two "
                 "recomputes are not followed together") in str(e.value)
+
+
+def test_selective_checkpointing_is_refused_before_anything_runs():
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    model = Fn(lambda m, t: checkpoint(m.layers[0], t, use_reentrant=False,
+                                       context_fn=contexts), nn.Conv2d(3, 3, 3, padding=1))
+    with pytest.raises(spmd.SpecError) as e:
+        spmd.nn.convert(model.double(), MESH, H, example=(2, 3, 37, 5))
+    assert "torch.utils.checkpoint(context_fn=...) gives the recompute contexts of its own" \
+        in str(e.value) and "drop context_fn" in str(e.value)
 
 
 def test_state_updated_in_a_checkpoint_is_refused_on_rank_threads():
