@@ -12,7 +12,7 @@ is ``spmd.reduce``), the same splits of their inputs. The forward marks every au
 node made inside a checkpoint region with a pre-hook that pushes the interpreter again
 (a non-planning run of the same ``Config``, on whichever thread autograd runs the node)
 and a post-hook that pops it; a tensor hook is wrapped so that its body runs inside one,
-the gradient tagged like ``h``. While such a run is pushed, a torch call is converted
+the gradient tagged like ``h`` (``hooks.py``). While such a run is pushed, a torch call is converted
 only where it comes from the recompute or the hook body; spmd's own backward code (the
 twins' autograd Functions, which communicate) runs as it is.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,13 +33,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..core import _context
 from ..core.errors import SpecError
-from ._tags import entries_of, set_tag, spec_of, tag_of
 
 if TYPE_CHECKING:
     from .interpreter import _Run
 
-__all__ = ["Regions", "tensor_hook", "converts", "backward_hooks_problem", "late_hooks",
-           "clean", "recomputed_state"]
+__all__ = ["Regions", "converts", "clean", "recomputed_state", "MARKERS"]
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.detach_variable.__code__.co_filename
 _HERE = os.path.abspath(__file__)
@@ -48,6 +45,9 @@ _SPMD_DIR = os.path.dirname(os.path.dirname(_HERE))
 _INTERPRETER = os.path.join(os.path.dirname(_HERE), "interpreter.py")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _local = threading.local()
+#: Code objects whose frames run user code under a run pushed in backward (hooks.py adds
+#: the tensor hook wrapper's).
+MARKERS: set = set()
 
 _NOOP = torch.utils.checkpoint.noop_context_fn
 REENTRANT_FIX = ("pass use_reentrant=False (torch's recommended setting), which convert "
@@ -83,7 +83,7 @@ def converts() -> bool:
     while f is not None:
         code = f.f_code
         name = code.co_filename
-        if name == _CHECKPOINT_FILE or code is _HOOK_CODE:
+        if name == _CHECKPOINT_FILE or code in MARKERS:
             return True
         if name.startswith(_SPMD_DIR) and name not in (_HERE, _INTERPRETER):
             return False
@@ -298,6 +298,7 @@ class Regions:
     def _global_hooks(self, args: tuple, kwargs: dict) -> None:
         """A tensor that a layer's backward hook watches (torch wraps it in its backward
         hook function): refused once, unless the layer's own hooks already were."""
+        from .hooks import backward_hooks_problem
         from .interpreter import _Entry, _flat
         for a in _flat(args, kwargs):
             if isinstance(a, torch.Tensor) and a.grad_fn is not None and \
@@ -359,123 +360,6 @@ def _tensors(res: Any):
             yield from _tensors(r)
 
 
-def _has_node(res: Any) -> bool:
-    return any(t.grad_fn is not None for t in _tensors(res))
-
-
-# -- tensor hooks -------------------------------------------------------------------------------
-
-class _Hook:
-    """A tensor hook of a converted forward: its body runs under the conversion, on the
-    gradient tagged like the hooked tensor.
-
-    Over the mesh axes the tensor is not split on (a mean over the split dims, whole on
-    every rank), each rank holds a part of its gradient, the parts adding up to it
-    (shard_map's convention): the body gets their sum (``spmd.psum``, every rank of
-    those axes alike, in the graph's order) and its result goes on divided by their
-    number, the parts that the backward's own sums add up again."""
-
-    def __init__(self, run: _Run, fn: Callable, entries: tuple, where: str):
-        self.fn, self.entries, self.where = fn, entries, where
-        self.mesh = mesh = run.mesh
-        used = {a for e in entries if e for a in e}
-        self.axes = tuple(a for a in mesh.axis_names
-                          if a not in used and mesh.axis_size(a) > 1)
-        self.pushed = _Pushed(run)
-
-    def __call__(self, g: torch.Tensor) -> Any:
-        self.pushed.enter()
-        try:
-            if self.axes:
-                from ..collectives import psum
-                g = psum(g, self.axes)
-            if len(self.entries) == g.ndim:
-                g = g.view_as(g)  # an alias to tag: the engine's tensor is left alone
-                set_tag(g, self.mesh, self.entries)
-            out = self.fn(g)
-            _check_hook_result(self, out)
-            if self.axes and isinstance(out, torch.Tensor):
-                out = out / self.mesh.axis_size(self.axes)
-            return out
-        finally:
-            self.pushed.leave()
-
-
-_HOOK_CODE = _Hook.__call__.__code__
-
-
-def _check_hook_result(hook: Any, out: Any) -> None:
-    problem = _hook_problem(hook, out)
-    if problem:
-        raise SpecError(f"convert: {hook.where}: the tensor hook {problem}")
-
-
-def _hook_problem(hook: Any, out: Any) -> str:
-    """What is wrong with a tensor hook's result ('' if nothing)."""
-    if out is None or not isinstance(out, torch.Tensor):
-        return ""
-    tag = tag_of(out)
-    if tag is not None and tag.poisoned:
-        return ""  # the plan already refused the call that made it
-    got = entries_of(out, hook.mesh)
-    if out.ndim == len(hook.entries) and got == tuple(hook.entries):
-        return ""
-    return (f"returns a gradient split as {spec_of(got)!r}, but the hooked tensor's gradient "
-            f"is split as {spec_of(tuple(hook.entries))!r}; return a tensor computed from the "
-            f"gradient position by position (g * s, g / g.abs().amax(), g.clamp(...))")
-
-
-def tensor_hook(c: Any) -> Any:
-    """``h.register_hook(fn)`` in a converted forward: ``fn`` runs in backward under the
-    conversion, its gradient tagged like ``h``. In the plan it runs once on a meta
-    stand-in of the gradient, so that its calls are checked before anything runs."""
-    h = c.args[0]
-    fn = c.args[1] if len(c.args) > 1 else c.kwargs.get("hook")
-    run = c.run
-    if not isinstance(h, torch.Tensor) or not callable(fn):
-        return c.call()
-    entries = c.ent(h)
-    where = run.where()
-    hook = _Hook(run, fn, entries, where)
-    if run.planning:
-        g = torch.empty(h.shape, dtype=h.dtype, device="meta")
-        set_tag(g, run.mesh, entries)
-        try:
-            with run.mode:
-                out = fn(g)
-        except SpecError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a hook that reads values cannot run on meta
-            run.plan.notes.append(f"the tensor hook {where} could not be checked in the "
-                                  f"plan ({type(e).__name__}); it is checked as it runs")
-        else:
-            problem = _hook_problem(hook, out)
-            if problem:
-                from .interpreter import _Entry
-                run.plan.entries.append(_Entry("refused", where, "x.register_hook(fn):",
-                                               "fn " + problem))
-    args = (c.args[0], hook) + tuple(c.args[2:])
-    kwargs = {k: v for k, v in c.kwargs.items() if k != "hook"}
-    return c.call(args=args, kwargs=kwargs)
-
-
-# -- module backward hooks ----------------------------------------------------------------------
-
-def backward_hooks_problem(module: torch.nn.Module | None) -> str:
-    """Why a layer's backward hooks (``register_full_backward_hook``,
-    ``register_full_backward_pre_hook``) would be wrong on shards ('' without any): torch
-    hands them this rank's part of the gradients, outside the conversion."""
-    if module is not None and not (getattr(module, "_backward_hooks", None) or
-                                   getattr(module, "_backward_pre_hooks", None)):
-        return ""
-    return ("has a backward hook (register_full_backward_hook or "
-            "register_full_backward_pre_hook), which torch runs on this rank's part of the "
-            "gradients, outside the conversion: a hook that reduces or clips them would give "
-            "other numbers than on one device; register a tensor hook in the layer's forward "
-            "instead (output.register_hook(fn): convert runs it under the conversion), or "
-            "apply it to the gradients after backward, outside the converted model")
-
-
 def recomputed_state(regions: Regions, changes: list) -> list:
     """The changes (``state.Change``) a checkpoint's recompute makes again, as plan
     refusals for rank threads that share the layers."""
@@ -487,14 +371,3 @@ def recomputed_state(regions: Regions, changes: list) -> list:
                    f"checkpointed function, or train on processes (spmd.launch(..., "
                    f"backend='gloo') or torchrun), where each rank updates its own copy as "
                    f"one device does") for c in changes if c.rel in regions.layers]
-
-
-def late_hooks(module: torch.nn.Module, path: str) -> None:
-    """Raise, before the forward runs, where a layer got backward hooks after its plan
-    was made (``convert(..., example=...)``, then ``register_full_backward_hook``)."""
-    for name, m in module.named_modules():
-        problem = backward_hooks_problem(m)
-        if problem:
-            where = f"'{name}'" if name else path
-            raise SpecError(f"convert: in {where}: {type(m).__name__} {problem}; nothing has "
-                            f"run")

@@ -23,7 +23,8 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
-from .backward import backward_hooks_problem, clean, late_hooks, recomputed_state
+from .backward import clean, recomputed_state
+from .hooks import backward_hooks_problem, late_hooks
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ... import ops
-from ..backward import tensor_hook
+from ..hooks import tensor_hook
 from ._base import (
     Call,
     PerOutput,
