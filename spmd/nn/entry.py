@@ -23,6 +23,8 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
 from . import state
+from .backward import clean, recomputed_state
+from .hooks import backward_hooks_problem, late_hooks
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
 from .interpreter import _CANONICAL, _SHIFT, Plan, _current, _Entry, _flat, _Run, _state
 from .modules import _Sharded
@@ -163,7 +165,10 @@ class Config:
         run = _Run(self, planning=True, plan=plan, sizes=sizes)
         run.start()
         try:
-            out = twin(*margs, **mkwargs)
+            # an activation checkpoint's saved-tensor hooks (a plan made in its recompute)
+            # must not see the plan's meta tensors
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                out = twin(*margs, **mkwargs)
             sizes.finished |= sizes.recording
             problem = sizes.end(run)
             if problem:
@@ -192,6 +197,7 @@ class Config:
         if self.shared_by_threads() and state.thread_local(plan.changes) and \
                 not plan.incomplete:
             plan.thread_local = True  # each rank thread its own copies, committed once
+            plan.entries += recomputed_state(run.regions, plan.changes)
         elif self.shared_by_threads():
             for c in plan.changes:
                 plan.entries.append(_Entry("refused", f"in {c.path}", f"self.{c.attr}",
@@ -250,6 +256,9 @@ class Enter:
         frame = _Frame(module)
         frames.append(frame)  # first: the exit hook pops it even if what follows raises
         run = _current()
+        if run is not None and run.in_backward:
+            clean()  # a run left by a node that failed in backward is no longer current
+            run = _current()
         if run is not None:
             run.internal += 1
             try:
@@ -264,6 +273,7 @@ class Enter:
         plan = self.cfg.planned(module, self.path, args, kwargs)
         if plan.refused:
             raise plan.error()
+        late_hooks(module, self.path)  # registered after the plan was made
         if self.cfg.strict and plan.incomplete:
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")
@@ -288,6 +298,9 @@ class Enter:
             return args, kwargs
         run.paths.append(self.path)
         frame.path = True
+        if run.plan is not None and backward_hooks_problem(module):
+            run.plan.entries.append(_Entry("refused", f"in {self.path}", type(module).__name__,
+                                           backward_hooks_problem(module)))
         if isinstance(module, _CONV_TRANSPOSE):
             args, kwargs = _global_output_size(run, module, args, kwargs)
         if isinstance(module, _Sharded) and not run.planning:
@@ -418,6 +431,10 @@ def is_shape(x: Any) -> bool:
     return isinstance(x, (tuple, list, torch.Size)) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in x)
 
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _random_state(state: tuple | None = None) -> tuple | None:

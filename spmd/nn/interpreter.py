@@ -6,7 +6,8 @@ the converted forward, on the calling thread) sees every torch call the forward 
 in ``nn.Module`` layers, in functional calls, in helpers, in any Python control flow.
 Each call goes to its rule (``rules.py``), which reads the split of its inputs from their
 tags and tags its outputs. Nothing global is patched: other threads and code outside
-the converted forward are untouched.
+the converted forward are untouched. Code the forward leaves to backward (an activation
+checkpoint's recompute, a tensor hook) runs under it again (``backward.py``).
 
 Before the first real call with a given input signature, the forward runs on meta tensors
 (no memory, no communication), every split dim given a stand-in size: this is the *plan*
@@ -30,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import _context
 from ..core.errors import SpecError
 from . import rules
+from .backward import Regions, converts
 from .rules import draws
 from ._tags import (
     LocalFloat,
@@ -55,6 +57,7 @@ _CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7
 #: sizes mod 2 ** 7 and mod 7 stay, so pools and patches divide as before and branches on
 #: them agree.
 _SHIFT = _CANONICAL
+_REGISTER_HOOK = torch.Tensor.register_hook
 _CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange",
              "linspace", "logspace", "eye", "randperm", "tensor", "as_tensor"}
 
@@ -198,6 +201,9 @@ class _Run:
         self.mode = _Mode(self)
         self._prev_converting = False
         self.views: Any = None  # state.Views: rank threads' own copies of updated buffers
+        # pushed again in backward (backward.py): converts a recompute or a tensor hook
+        self.in_backward = False
+        self.regions = Regions(self)  # the forward's activation-checkpoint regions
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -213,6 +219,7 @@ class _Run:
         finally:
             _context.set_converting(self._prev_converting)
             _local.run = None
+            self.regions.close()
 
     def suspend(self) -> None:
         self.suspended += 1
@@ -221,8 +228,8 @@ class _Run:
 
     def resume(self) -> None:
         self.suspended -= 1
-        if not self.suspended:
-            _context.set_converting(True)
+        if not self.suspended:  # in backward spmd's own autograd Functions communicate
+            _context.set_converting(not self.in_backward)
 
     # -- what rules use ------------------------------------------------------------------------
 
@@ -293,13 +300,19 @@ class _Run:
     # -- the dispatch --------------------------------------------------------------------------
 
     def call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.internal:
+        if self.internal or (self.in_backward and not converts()):
             return func(*args, **kwargs)
+        if not self.in_backward:
+            self.regions.before(args, kwargs)
         if self.views is not None:  # this rank thread's copies of the updated buffers
             args = self.views.swap(args)
             kwargs = {k: self.views.swap(v) for k, v in kwargs.items()}
-            return self.views.unswap(self._call(func, args, kwargs))
-        return self._call(func, args, kwargs)
+            res = self.views.unswap(self._call(func, args, kwargs))
+        else:
+            res = self._call(func, args, kwargs)
+        if not self.in_backward:
+            self.regions.after(res)
+        return res
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         random = draws.is_random(rules.op_name(func))
@@ -317,7 +330,8 @@ class _Run:
             res = self.execute(func, args, kwargs)
             self._poison(res)
             return res
-        if not split:  # a random draw here is the same on every rank: a shared stream
+        if not split and func is not _REGISTER_HOOK:  # a hook on a whole tensor: its rule
+            # a random draw here is the same on every rank: a shared stream
             return draws.replicated(self, func, args, kwargs) if random else \
                 self.execute(func, args, kwargs)
         if not args and "input" in kwargs:  # F.conv2d(input=x, ...): rules read args[0]

@@ -634,34 +634,3 @@ def test_a_functional_model_trains_like_one_device():
         torch.testing.assert_close(l2, l1, rtol=1e-10, atol=1e-10)
     for (n, a), b in zip(sharded.named_parameters(), one.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=n)
-
-
-def _hooked(m, x):
-    h = m.layers[0](x)
-    if h.requires_grad:
-        h.register_hook(lambda g: g / g.abs().amax())
-    return h.mean((2, 3))
-
-
-def test_a_tensor_hook_is_refused_before_anything_runs_or_allowed_by_name():
-    """A hook runs in backward on this rank's part of the gradient, outside the
-    conversion: refused on every rank before any byte moves; allow= takes the user's
-    word for a hook that only scales by a constant, which is then exact."""
-    model = Fn(_hooked, _conv(3, 2)).double()
-    mesh = spmd.Mesh((3,), ("sp",))
-    x = _x()
-    with pytest.raises(spmd.SpecError, match=r"register_hook registers a tensor hook"):
-        spmd.nn.convert(model, mesh, H, example=x)
-    conv = spmd.nn.convert(model, mesh, H)
-    with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match="nothing has run"):
-        spmd.shard_map(conv, mesh, H, P())(x.requires_grad_())
-    assert stats.calls() == 0
-
-    def halve(m, x):
-        h = m.layers[0](x)
-        if h.requires_grad:
-            h.register_hook(lambda g: g * 0.5)
-        return h.mean((2, 3))
-    model = Fn(halve, _conv(3, 2)).double()
-    conv = spmd.nn.convert(model, mesh, H, allow=(torch.Tensor.register_hook,))
-    assert_matches_single_device(conv, model, mesh, H, P(), _x())

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ... import ops
+from ..hooks import tensor_hook
 from ._base import (
     Call,
     PerOutput,
@@ -292,21 +293,6 @@ for _n in _SAME:
 
 for _n in _NO_TENSOR_OUT:
     _RULES.setdefault(_n, passthrough)
-
-
-def tensor_hook(c: Call) -> Any:
-    """``x.register_hook(fn)`` in a converted forward: ``fn`` runs in backward, outside the
-    conversion, on this rank's part of x's gradient (a block of a split x's, a share of a
-    replicated x's), so only a hook linear per element would see what one device does."""
-    if c.mesh.size > 1:
-        c.refuse("registers a tensor hook, which runs in backward on this rank's part of the "
-                 "gradient (the block of a split tensor's, a share of a replicated one's) "
-                 "and outside the conversion: a hook that reduces or clips (g / g.abs().amax()"
-                 ", g.clamp(-1, 1)) would give other numbers than on one device",
-                 "apply it to the gradient after backward, outside the converted model, or "
-                 "allow=(torch.Tensor.register_hook,) for a hook that only scales its "
-                 "gradient by a constant")
-    return c.call()
 
 
 _RULES["register_hook"] = tensor_hook
