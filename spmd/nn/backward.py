@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core import _context
 from ..core.errors import SpecError
+from . import streams
 
 if TYPE_CHECKING:
     from .interpreter import _Run
@@ -95,7 +96,7 @@ class _Pushed:
     """A non-planning run of ``cfg`` pushed on the thread autograd runs a node on (the
     rank context of the forward pushed too: autograd may use another thread)."""
 
-    __slots__ = ("cfg", "rank", "path", "rng")
+    __slots__ = ("cfg", "rank", "path", "rng", "streams")
 
     def __init__(self, run: _Run, rng: bool = False):
         self.cfg = run.cfg
@@ -107,6 +108,8 @@ class _Pushed:
         # region's forward started from (processes: checkpoint restores it itself).
         mode = _rank_random() if rng else None
         self.rng = mode.state.clone() if mode is not None else None
+        # the streams the ranks share for replicated draws, likewise
+        self.streams = streams.snapshot(run) if rng else None
 
     def enter(self, *_: Any) -> None:
         from .interpreter import _local as run_local
@@ -128,16 +131,21 @@ class _Pushed:
         mode = _RegionRandom(self.rng) if self.rng is not None else None
         if mode is not None:
             mode.__enter__()
+        replay = streams.replaying(self.streams, mode) if self.streams is not None else None
+        if replay is not None:
+            replay.__enter__()
         run.mode.__enter__()
-        _pushed().append((run, saved, mode))
+        _pushed().append((run, saved, mode, replay))
 
     def leave(self, *_: Any) -> None:
         stack = _pushed()
         if not stack:
             return
-        run, saved, mode = stack.pop()
+        run, saved, mode, replay = stack.pop()
         try:
             run.mode.__exit__(None, None, None)
+            if replay is not None:
+                replay.__exit__(None, None, None)
             if mode is not None:
                 mode.__exit__(None, None, None)
         finally:
@@ -182,7 +190,10 @@ def clean() -> None:
         _PROBE.dim()  # every mode on torch's stack sees it
         if run.mode.probed:
             return
-        _restore(stack.pop()[1])
+        _, saved, _, replay = stack.pop()
+        if replay is not None:
+            replay.__exit__(None, None, None)
+        _restore(saved)
 
 
 class _RegionRandom(TorchFunctionMode):

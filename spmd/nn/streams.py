@@ -28,7 +28,7 @@ from ..comm import comm_of, rank_threads
 from ..core import _context
 from ..core.errors import SpecError
 
-__all__ = ["use", "rank_of"]
+__all__ = ["use", "rank_of", "snapshot", "replaying"]
 
 _lock = threading.Lock()
 _streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Config -> {rank: _Streams}
@@ -50,6 +50,48 @@ class _Streams:
             g.manual_seed(int.from_bytes(h, "little") >> 1)
             self.gens[k] = g
         return g
+
+    def copy(self) -> _Streams:
+        """Another set of generators at the states these are in now."""
+        new = _Streams(self.base)
+        for k, g in self.gens.items():
+            c = torch.Generator(device=g.device)
+            c.set_state(g.get_state())
+            new.gens[k] = c
+        return new
+
+
+# a checkpoint's recompute: (Config, rank, _Streams, the random state holder it draws from)
+_replay = threading.local()
+
+
+def snapshot(run: Any) -> tuple:
+    """This rank's shared streams of ``run``'s model as they are now (a checkpoint region
+    opens): its recompute in backward draws from copies of them at these states."""
+    rank = rank_of(run)
+    with _lock:
+        s = _streams.get(run.cfg, {}).get(rank)
+    return run.cfg, rank, s.copy() if s is not None else None
+
+
+@contextlib.contextmanager
+def replaying(snap: tuple, holder: Any = None) -> Iterator[None]:
+    """Shared draws inside come from the streams as ``snapshot`` found them (streams made
+    since then start from their seeds again), so a recompute draws what the forward drew.
+    ``holder`` (with a ``state``) is what a rank thread's draws read in the recompute."""
+    cfg, rank, s = snap
+    if s is None:
+        with _lock:
+            live = _streams.get(cfg, {}).get(rank)
+        s = _Streams(live.base) if live is not None else None
+    else:
+        s = s.copy()  # a second backward replays from the region's start again
+    prev = getattr(_replay, "on", None)
+    _replay.on = (cfg, rank, s, holder) if s is not None else None
+    try:
+        yield
+    finally:
+        _replay.on = prev
 
 
 def rank_of(run: Any) -> int:
@@ -99,9 +141,14 @@ def _set(device: torch.device, state: torch.Tensor) -> None:
 @contextlib.contextmanager
 def use(run: Any, key: tuple, device: torch.device) -> Iterator[None]:
     """Random calls inside draw from the group ``key``'s generator (this rank's copy)."""
-    s = _of(run, rank_of(run))
+    rank = rank_of(run)
+    replay = getattr(_replay, "on", None)
+    mine = replay is not None and replay[:2] == (run.cfg, rank)
+    s = replay[2] if mine else _of(run, rank)
     g = s.generator(key, device)
-    mode = getattr(rank_threads._active, "mode", None)  # a rank thread's own generator
+    # a rank thread's own generator (in a recompute, the one it draws from there)
+    mode = replay[3] if mine and replay[3] is not None else \
+        getattr(rank_threads._active, "mode", None)
     if mode is not None and device.type == "cpu":
         saved, mode.state = mode.state, g.get_state()
         try:

@@ -142,11 +142,16 @@ def test_the_plan_with_example_sees_into_the_checkpointed_function():
 
 
 
-def test_dropout_in_a_checkpoint_recomputes_the_forwards_mask():
-    """Each rank thread draws from its own generator state; the recompute starts from the
-    state the region's forward started from, so the gradients are those of the same model
-    without checkpoint (one device draws other masks: compared with itself)."""
-    body = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Dropout(0.5)).double()
+@pytest.mark.parametrize("where", ["split", "replicated"])
+def test_dropout_in_a_checkpoint_recomputes_the_forwards_mask(where):
+    """Each rank thread draws a split mask from its own generator state, and a replicated
+    one from the stream the ranks share; the recompute starts both from the states the
+    region's forward started from, so the gradients are those of the same model without
+    checkpoint (one device draws other masks: compared with itself)."""
+    body = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Dropout(0.5)).double() \
+        if where == "split" else \
+        Fn(lambda m, t: F.dropout(t.mean(2, keepdim=True), 0.5) * m.layers[0](t),
+           nn.Conv2d(3, 3, 3, padding=1).double())
     x = _x(2, 3, 37, 5)
     got = []
     for ck in (True, False):
