@@ -162,3 +162,19 @@ def test_calls_that_draw_nothing_pass():
 def test_bad_seeds_are_refused():
     with pytest.raises(TypeError, match="seed must be an int >= 0"):
         spmd.random.invariant(-1)
+
+
+def test_a_draw_inside_a_checkpointed_function_is_refused():
+    """Checkpoint's recompute would be the stream's next draw: another mask than the
+    forward's, so the gradient would not be the output's."""
+    from torch.utils.checkpoint import checkpoint
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    with spmd.random.invariant(0), pytest.raises(
+            SpecError, match=r"dropout is drawn under spmd.random.invariant inside "
+                             r"torch.utils.checkpoint's function"):
+        checkpoint(lambda t: F.dropout(t, 0.5) * t, x, use_reentrant=False)
+    with spmd.random.invariant(0):  # outside the checkpointed function: drawn once
+        y = checkpoint(lambda t: t * t, F.dropout(x, 0.5), use_reentrant=False)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    keep = (y != 0).double()
+    torch.testing.assert_close(g, 2 * keep * x * 4, rtol=1e-12, atol=1e-12)  # (2x)^2 -> 8x

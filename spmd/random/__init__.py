@@ -26,11 +26,13 @@ the split of the tensor drawn (``spmd/nn/rules/draws.py``). Calls it cannot make
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
 from ..core import _context
@@ -61,6 +63,8 @@ class Stream:
         handler = HANDLERS.get(name)
         if handler is None or kwargs.get("generator") is not None:
             raise SpecError(_refusal(name, "generator=" if handler else ""))
+        if in_checkpoint():
+            raise SpecError(f"spmd.random.invariant: {name} {IN_CHECKPOINT}")
         return handler(_Draw(self.next_key(), index_of), args, kwargs)
 
     def __repr__(self) -> str:
@@ -186,6 +190,26 @@ def _no_values(name: str, args: tuple, kwargs: dict) -> bool:
     if any(isinstance(a, torch.Tensor) and a.is_meta for a in list(args) + list(kwargs.values())):
         return True
     return draws_nothing(name, args, kwargs)
+
+
+#: Why a draw in a checkpointed function is refused under ``invariant``.
+IN_CHECKPOINT = (
+    "is drawn under spmd.random.invariant inside torch.utils.checkpoint's function, whose "
+    "recompute in backward would be the stream's next draw (another mask than the "
+    "forward's: a wrong gradient); draw it outside the checkpointed function, or call "
+    "the model outside the invariant context")
+# checkpoint itself is wrapped (torch._compile): its file, from a plain function of it
+_CHECKPOINT = (torch.utils.checkpoint.detach_variable.__code__.co_filename, "checkpoint")
+
+
+def in_checkpoint() -> bool:
+    """Whether the caller runs inside ``torch.utils.checkpoint.checkpoint``'s function."""
+    f = sys._getframe(1)
+    while f is not None:
+        if (f.f_code.co_filename, f.f_code.co_name) == _CHECKPOINT:
+            return True
+        f = f.f_back
+    return False
 
 
 def _refusal(name: str, why: str) -> str:

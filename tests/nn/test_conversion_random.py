@@ -362,3 +362,16 @@ def test_under_invariant_a_draw_in_a_layer_convert_does_not_look_into_is_refused
             spmd.SpecError, match="rand_like is drawn inside a layer convert does not look "
             "into \\(allow=, types=\\).*would draw by this rank's local indices"):
         spmd.shard_map(conv, mesh, H, H)(torch.ones(1, 1, 6, 4))
+
+
+def test_a_draw_under_invariant_inside_a_checkpoint_is_refused_in_the_plan():
+    from torch.utils.checkpoint import checkpoint
+    mesh = spmd.Mesh((4,), ("sp",))
+    net = Fn(lambda m, t: checkpoint(lambda u: F.dropout(u, 0.5) * u, t, use_reentrant=False))
+    conv = spmd.nn.convert(net, mesh, H)
+    x = torch.randn(2, 3, 37, 4, dtype=torch.float64, requires_grad=True)
+    with spmd.comm_stats() as stats, spmd.random.invariant(0), pytest.raises(
+            spmd.SpecError, match=r"(?s)nothing has run.*F.dropout is drawn under "
+                                  r"spmd.random.invariant inside torch.utils.checkpoint"):
+        spmd.shard_map(conv, mesh, H, H)(x)
+    assert stats.calls() == 0

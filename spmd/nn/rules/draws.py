@@ -122,6 +122,8 @@ def replicated(run: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
     c = Call(run, func, name, args, kwargs)
     if run.planning:
         problem = _shared_refused(c, ())
+        if invariant.active() is not None and invariant.in_checkpoint():
+            problem = invariant.IN_CHECKPOINT
         run.record("refused" if problem else "swapped", c,
                    f"{problem}; {_SHARED_FIX}" if problem else
                    "replicated draw -> the stream the ranks share")
@@ -154,6 +156,8 @@ def rule_for(name: str, base: Callable) -> Callable:
             return base(c)
         entries, lead = _entries(c)
         if c.planning:
+            if invariant.active() is not None and invariant.in_checkpoint():
+                c.refuse(invariant.IN_CHECKPOINT)
             problem = _shared_refused(c, entries[:lead])
             if problem:
                 c.refuse(problem, _SHARED_FIX)
