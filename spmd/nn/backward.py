@@ -109,7 +109,7 @@ class _Pushed:
         mode = _rank_random() if rng else None
         self.rng = mode.state.clone() if mode is not None else None
         # the streams the ranks share for replicated draws, likewise
-        self.streams = streams.snapshot(run) if rng else None
+        self.streams = streams.snapshot(run) if rng and not run.planning else None
 
     def enter(self, *_: Any) -> None:
         from .interpreter import _local as run_local

@@ -19,6 +19,7 @@ from _modules import Fn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import spmd
 from spmd import P
@@ -506,10 +507,45 @@ def test_allowed_functions_pass():
 
 # -- random models from a menu: exact, or refused; never silently wrong --------------------------
 
+class Counter(nn.Module):
+    """A step counter kept in a buffer, updated in place in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros((), dtype=F64))
+
+    def forward(self, x):
+        self.n += 1
+        return x * (1 + 0.1 * self.n)
+
+
+def _hooked(x):
+    if x.requires_grad:  # the gradient scaled by its global largest value
+        x.register_hook(lambda g: g / (1 + g.abs().amax()))
+    return x * 1.5
+
+
+def _ckpt(f):
+    return lambda m, x: checkpoint(lambda t: f(m, t), x, use_reentrant=False)
+
+
 def _menu(split_dim: int):
     """Steps (name, layer or function, mixes along the split dim?)."""
     other = 5 - split_dim
     return {
+        # backward-time code, state and random draws
+        "checkpointed conv": lambda c: (Fn(_ckpt(lambda m, t: m.layers[0](t)), _conv(c, c)),
+                                        False),
+        "checkpointed mean": lambda c: (Fn(_ckpt(lambda m, t: t * t.mean((2, 3), keepdim=True))),
+                                        False),
+        "checkpointed norm": lambda c: (Fn(_ckpt(lambda m, t: m.layers[0](t).relu()),
+                                           nn.GroupNorm(1, c).double()), False),
+        "gradient hook": lambda c: (Fn(lambda m, x: _hooked(x)), False),
+        "counter": lambda c: (Counter(), False),
+        "dropout after mean": lambda c: (Fn(lambda m, x: x * F.dropout(
+            x.mean((2, 3), keepdim=True), 0.3)), False),
+        "dropout": lambda c: (nn.Dropout(0.3), False),
+        "channel dropout": lambda c: (nn.Dropout2d(0.3), False),
         "conv": lambda c: (_conv(c, c), False),
         "conv stride 2": lambda c: (nn.Conv2d(c, c, 3, stride=2, padding=1).double(), False),
         "reflect conv": lambda c: (_conv(c, c, padding_mode="reflect"), False),
@@ -575,7 +611,32 @@ def test_random_models_are_exact_or_refused(steps, split, ranks, hw, seed):
         return
     assert not mixes, f"accepted a model that mixes along the split dim: {steps}"
     out = eval(conv.spmd_plan.outputs[0], {"P": P})  # noqa: S307
-    assert_matches_single_device(conv, model, mesh, spec, out, x)
+    if any("dropout" in s for s in steps):
+        _matches_with_the_same_draws(conv, model, mesh, spec, out, x)
+    else:
+        assert_matches_single_device(conv, model, mesh, spec, out, x)
+
+
+def _matches_with_the_same_draws(conv, model, mesh, spec, out, x):
+    """Values and gradients (input, parameters) equal one device's where both draw from
+    ``spmd.random.invariant`` with one seed: the same masks, whatever the mesh (float64,
+    1e-10: sharded sums only reorder additions)."""
+    got = []
+    for f, run in ((model, lambda a: model(a)),
+                   (conv, lambda a: spmd.shard_map(conv, mesh, spec, out)(a))):
+        a = x.clone().requires_grad_()
+        with spmd.random.invariant(11):
+            y = run(a)
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+        params = [p for _, p in f.named_parameters()]
+        grads = torch.autograd.grad((y * w).sum(), [a] + params, allow_unused=True)
+        got.append((y.detach(), grads))
+    (y0, g0), (y1, g1) = got
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-10)
+    for k, (a, b) in enumerate(zip(g1, g0)):
+        assert (a is None) == (b is None), k
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"gradient {k}")
 
 
 # -- training: a model written only with torch.nn.functional calls ------------------------------
