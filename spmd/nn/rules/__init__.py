@@ -93,10 +93,21 @@ from .shapes import (
     view,
     view_as,
 )
-from .windows import _LOSSES, _adaptive, _indices_twin, _lp_pool, _twin, interpolate, loss
+from .windows import (
+    _LOSSES,
+    _adaptive,
+    _indices_twin,
+    _lp_pool,
+    _twin,
+    conv,
+    interpolate,
+    loss,
+    materialize,
+    pad,
+)
 
 __all__ = ["Call", "Refused", "PerOutput", "like_input", "rule_for", "op_name", "unknown",
-           "raise_refusal"]
+           "raise_refusal", "materialize"]
 
 _DUNDER = {
     "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub",
@@ -167,7 +178,7 @@ _TWINS: dict[str, Callable] = {}
 
 
 for _n in (1, 2, 3):
-    _TWINS[f"conv{_n}d"] = _twin(getattr(ops, f"conv{_n}d"))
+    _TWINS[f"conv{_n}d"] = conv(_n)
     _TWINS[f"conv_transpose{_n}d"] = _twin(getattr(ops, f"conv_transpose{_n}d"))
     _TWINS[f"max_pool{_n}d"] = _twin(getattr(ops, f"max_pool{_n}d"))
     _TWINS[f"_max_pool{_n}d"] = _TWINS[f"max_pool{_n}d"]
@@ -184,7 +195,7 @@ for _n in (1, 2, 3):
 _TWINS["interpolate"] = interpolate
 
 
-_TWINS["pad"] = _twin(ops.pad)
+_TWINS["pad"] = pad
 
 
 def _aten_pointwise(name: str) -> bool:

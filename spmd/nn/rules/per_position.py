@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ...ops._window import input_layout
+from .. import flow
 from .._tags import LocalSize, local_sizes, spec_of
 from ._base import (
     Call,
@@ -34,6 +35,12 @@ def pointwise(c: Call) -> Any:
     if cut:
         args, kwargs = _swapped(args, cut), {k: _swapped(v, cut) for k, v in kwargs.items()}
         ts = [cut.get(id(t), t) for t in ts]
+    target = c.kwargs.get("out", c.args[0] if c.args else None) if inplace else None
+    moved = flow.agree(c, ts, keep=target)  # operands split alike, else one moves
+    if moved:
+        args, kwargs = _swapped(args, moved), {k: _swapped(v, moved) for k, v in kwargs.items()}
+        ts = [moved.get(id(t), t) for t in ts]
+        c = Call(c.run, c.func, c.name, args, kwargs)
     entries = broadcast(c, ts)
     _no_local_sizes(c)
     if inplace:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import flow
 from .._tags import Entries, LocalSize, split_dims
 from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast, share
 from .per_position import same
@@ -117,7 +118,10 @@ def flatten(c: Call) -> Any:
                      "split the first of the flattened dims instead (or only it), or reduce "
                      "(pool) the split dims first")
     out = e[:start] + (e[start],) + e[end + 1:] if x.ndim else ()
-    return c.out(c.call(), out)
+    # a split first dim's rows become runs of prod(whole dims behind it) elements
+    factor = math.prod(int(v) for v in x.shape[start + 1:end + 1])
+    keep = list(range(start + 1)) + list(range(end + 1, x.ndim))
+    return c.out(c.call(), out, flow.scaled(c, x, keep, start, factor) if x.ndim else None)
 
 
 def unflatten(c: Call) -> Any:
@@ -220,7 +224,22 @@ def cat(c: Call) -> Any:
     if any(e != es[0] for e in es):
         c.refuse("concatenates tensors split differently (some whole)",
                  "split all of them the same way")
+    c = _agreed(c, ts)
     return c.out(c.call(), es[0])
+
+
+def _agreed(c: Call, ts: list) -> Call:
+    """``c`` with its tensors (the first argument's list) split with the same sizes:
+    all but one moved to the layout that moves the fewest bytes (``flow.agree``)."""
+    moved = flow.agree(c, ts)
+    if not moved:
+        return c
+    key = "tensors" if not c.args else None
+    given = c.args[0] if c.args else c.kwargs["tensors"]
+    new = type(given)(moved.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in given)
+    if key:
+        return Call(c.run, c.func, c.name, c.args, {**c.kwargs, key: new})
+    return Call(c.run, c.func, c.name, (new,) + tuple(c.args[1:]), c.kwargs)
 
 
 def stack(c: Call) -> Any:
@@ -230,6 +249,7 @@ def stack(c: Call) -> Any:
     if any(e != es[0] for e in es):
         c.refuse("stacks tensors split differently (some whole)",
                  "split all of them the same way")
+    c = _agreed(c, list(ts))
     nd = ts[0].ndim + 1
     d = d % nd if d < 0 else d
     return c.out(c.call(), es[0][:d] + (None,) + es[0][d:])
