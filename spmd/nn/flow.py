@@ -286,7 +286,12 @@ def _lengths(c: Any, split: list, layouts: list, nd: int, dims: dict) -> None:
 
 
 def _move(c: Any, t: torch.Tensor, src: Layout, dst: Layout, what: str) -> torch.Tensor:
-    """``t`` redistributed from ``src`` to ``dst`` (recorded in the plan with its bytes)."""
+    """``t`` redistributed from ``src`` to ``dst`` (recorded in the plan with its bytes);
+    once per forward (a skip added to two branches moves once)."""
+    done = c.run.__dict__.setdefault("moves", {})
+    key = (id(t), dst)
+    if key in done and done[key][0] is t:
+        return done[key][1]
     n = moved_elements(src, dst)
     rows = ", ".join(f"dim {d}: {list(src.sizes[d])} -> {list(dst.sizes[d])}"
                      for d in range(src.ndim) if src.sizes[d] != dst.sizes[d])
@@ -303,6 +308,7 @@ def _move(c: Any, t: torch.Tensor, src: Layout, dst: Layout, what: str) -> torch
         res = c.call(lambda x: redistribute(x, c.mesh, spec, spec, src_sizes=src_sizes,
                                             dst_sizes=dst_sizes), (t,), {})
     set_tag(res, c.mesh, e, False, dst.sizes)
+    done[key] = (t, res)
     return res
 
 
