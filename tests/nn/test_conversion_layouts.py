@@ -179,12 +179,10 @@ def test_interpolating_back_to_the_global_size_agrees_with_the_skip():
 
 def test_operands_of_other_global_sizes_are_refused_not_torchs_error():
     mesh = spmd.Mesh((2,), ("sp",))
-    net = nn.Sequential()
     conv = spmd.nn.convert(_Mismatch(), mesh, H)
     x = torch.randn(1, 1, 9, 4, dtype=F64)
     with pytest.raises(spmd.SpecError, match="global sizes \\[8, 9\\] along dim 2"):
         spmd.shard_map(conv, mesh, H, H)(x)
-    del net
 
 
 class _Mismatch(nn.Module):
