@@ -177,6 +177,32 @@ def test_interpolating_back_to_the_global_size_agrees_with_the_skip():
     assert "mul operand 1 dim 2: [11, 11, 11, 11] -> [20, 4, 10, 10]" in str(conv.spmd_plan)
 
 
+class WithLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 3, stride=2, padding=1)
+
+    def forward(self, x, t):
+        return F.mse_loss(F.interpolate(self.conv(x), size=(44, 6)), t)
+
+
+def test_a_loss_between_a_balanced_output_and_an_uneven_target_agrees():
+    mesh = spmd.Mesh((4,), ("sp",))
+    net = WithLoss().double()
+    x, t = torch.randn(2, 2, 1, 44, 6, dtype=F64)
+    conv = spmd.nn.convert(net, mesh, (H, H))
+    xs, ts = (_sharded(v, mesh, [20, 4, 10, 10]) for v in (x, t))
+    loss = spmd.shard_map(conv, mesh, (H, H), P())(xs, ts)
+    loss.backward()
+    one = copy.deepcopy(net)
+    want = one(x, t)
+    want.backward()
+    torch.testing.assert_close(loss, want, **TOL)
+    torch.testing.assert_close(conv.conv.weight.grad, one.conv.weight.grad, **TOL)
+    assert "F.mse_loss operand 1 dim 2: [20, 4, 10, 10] -> [11, 11, 11, 11]" in \
+        str(conv.spmd_plan)
+
+
 def test_operands_of_other_global_sizes_are_refused_not_torchs_error():
     mesh = spmd.Mesh((2,), ("sp",))
     conv = spmd.nn.convert(_Mismatch(), mesh, H)

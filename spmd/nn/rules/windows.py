@@ -213,6 +213,11 @@ def loss(c: Call) -> Any:
     a = ba.arguments
     inp, tgt = a["input"], a["target"]
     classes = c.name in ("cross_entropy", "nll_loss") and tgt.ndim == inp.ndim - 1
+    if not classes and isinstance(tgt, torch.Tensor):  # input and target split alike
+        moved = flow.agree(c, [inp, tgt])
+        if moved:
+            a["input"], a["target"] = inp, tgt = moved.get(id(inp), inp), moved.get(id(tgt), tgt)
+            c = Call(c.run, c.func, c.name, ba.args, ba.kwargs)
     ei, et = c.ent(inp), c.ent(tgt)
     if classes:
         if inp.ndim > 1 and ei[1]:
