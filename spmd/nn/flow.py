@@ -168,11 +168,16 @@ def _one(c: Any, t: Any, given: Any, found: dict[tuple, set]) -> None:
         _check(c, t, e, sizes)
 
 
+@functools.lru_cache(maxsize=4096)
+def _fits(shape: tuple, entries: tuple, sizes: tuple, mesh: Mesh, rank: int) -> bool:
+    return _layout(shape, entries, sizes, mesh).local_shape(rank) == shape
+
+
 def _check(c: Any, t: torch.Tensor, e: tuple, sizes: tuple) -> None:
     """A layout that does not fit this rank's shard is spmd's own mistake: say so."""
-    lay = of(t, c.mesh, e, sizes)
     rank = _context.current_rank(c.mesh)
-    if lay.local_shape(rank) != tuple(t.shape):
+    if not _fits(tuple(t.shape), tuple(e), tuple(sizes), c.mesh, rank):
+        lay = of(t, c.mesh, e, sizes)
         raise SpecError(f"convert: spmd bug, please report: {c.name} gives rank {rank} a "
                         f"shard {list(t.shape)} but its layout {lay!r} says "
                         f"{list(lay.local_shape(rank))}")
