@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -203,54 +203,61 @@ def moved_elements(src: Layout, dst: Layout) -> int:
                for s, _, _, shape in mine if s != r)
 
 
-def agree(c: Any, ts: Sequence[torch.Tensor], nd: int | None = None,
-          keep: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-    """Operands of ``c`` split along the same dims (aligned from the right, as
-    broadcasting does) with other shard sizes: all but one are redistributed to the
-    layout that moves the fewest bytes. Returns ``{id(operand): its replacement}``.
+def agree(c: Any, ts: Sequence[torch.Tensor], keep: torch.Tensor | None = None,
+          align: Callable[[torch.Tensor, int], Hashable] | None = None
+          ) -> dict[int, torch.Tensor]:
+    """Operands of ``c`` split along the same dims with other shard sizes: all but one
+    are redistributed to the layout that moves the fewest bytes (never ``keep``, which
+    an in-place call writes into). Returns ``{id(operand): its replacement}``.
 
-    In a plan (meta tensors), the replacements also take the kept operand's stand-in
-    sizes, so the call runs; the move is listed with its bytes where the layouts are
-    known."""
+    Dims are matched by ``align(t, dim)`` (default: from the right, as broadcasting
+    does; einsum matches its subscripts). In a plan (meta tensors), the replacements
+    also take the kept operand's stand-in sizes, so the call runs; the move is listed
+    with its bytes where the layouts are known."""
     split = [t for t in ts if isinstance(t, torch.Tensor) and any(c.ent(t))]
     if len(split) < 2:
         return {}
-    nd = max(t.ndim for t in ts) if nd is None else nd
-    dims: dict[int, tuple] = {}  # aligned dim -> axes
+    if align is None:
+        nd = max(t.ndim for t in ts if isinstance(t, torch.Tensor))
+
+        def align(t: torch.Tensor, k: int) -> Hashable:
+            return nd - t.ndim + k
+    where = [{align(t, k): k for k in range(t.ndim)} for t in split]
+    dims: dict[Hashable, tuple] = {}  # matched dim -> axes
     for t in split:
         for k, a in enumerate(c.ent(t)):
             if a:
-                dims.setdefault(nd - t.ndim + k, a)
-    if not dims or any(c.ent(t)[nd - t.ndim + d] not in (None, a) for t in split
-                       for d, a in dims.items() if nd - t.ndim + d >= 0):
-        return {}  # split two ways: broadcasting refuses it
+                dims.setdefault(align(t, k), a)
+    if any(c.ent(t)[w[d]] not in (None, a) for t, w in zip(split, where)
+           for d, a in dims.items() if d in w):
+        return {}  # split two ways: the rule refuses it
     layouts = [layout(c.run, t) for t in split]
     out: dict[int, torch.Tensor] = {}
     if all(lay is not None for lay in layouts):
-        keys = [_split_sizes(lay, t, nd, dims) for lay, t in zip(layouts, split)]
+        keys = [tuple((d, lay.sizes[w[d]] if d in w else None) for d in sorted(dims, key=str))
+                for lay, w in zip(layouts, where)]
         if len(set(keys)) > 1:
-            _lengths(c, split, layouts, nd, dims)
+            _lengths(c, split, layouts, where, dims)
             best, best_cost = None, None
             for j in range(len(split)):  # the target every other operand moves to
                 if keep is not None and split[j] is not keep:
-                    continue  # an in-place call writes into ``keep``: it stays
-                cost = sum(_cost(lay, t, keys[j], nd) for lay, t in zip(layouts, split))
+                    continue
+                cost = sum(_cost(lay, t, w, keys[j]) for lay, t, w in zip(layouts, split, where))
                 if best_cost is None or cost < best_cost:
                     best, best_cost = j, cost
-            for lay, t, key in zip(layouts, split, keys):
+            for lay, t, w, key in zip(layouts, split, where, keys):
                 if key != keys[best]:
                     k = next(i for i, u in enumerate(ts) if u is t)
-                    out[id(t)] = _move(c, t, lay, _target(lay, t, keys[best], nd),
-                                       f"operand {k}")
+                    out[id(t)] = _move(c, t, lay, _target(lay, w, keys[best]), f"operand {k}")
     if c.planning:  # stand-in sizes: take the kept operand's
-        ref = split[0] if not out else next(t for t in split if id(t) not in out)
-        for t in split:
+        r = next((i for i, t in enumerate(split) if id(t) not in out), 0)
+        ref, wr = split[r], where[r]
+        for t, w in zip(split, where):
             cur = out.get(id(t), t)
             shape = list(cur.shape)
             for d in dims:
-                k, kr = nd - t.ndim + d, nd - ref.ndim + d
-                if k >= 0 and kr >= 0 and c.ent(t)[k] and shape[k] != ref.shape[kr]:
-                    shape[k] = ref.shape[kr]
+                if d in w and d in wr and c.ent(t)[w[d]] and c.ent(ref)[wr[d]]:
+                    shape[w[d]] = ref.shape[wr[d]]
             if shape != list(cur.shape):
                 m = torch.empty(shape, dtype=cur.dtype, device="meta")
                 m.requires_grad_(cur.requires_grad and cur.is_floating_point())
@@ -259,32 +266,43 @@ def agree(c: Any, ts: Sequence[torch.Tensor], nd: int | None = None,
     return out
 
 
-def _split_sizes(lay: Layout, t: torch.Tensor, nd: int, dims: dict) -> tuple:
-    return tuple((d, lay.sizes[nd - t.ndim + d] if nd - t.ndim + d >= 0 else None)
-                 for d in sorted(dims))
+def agreed(c: Any, ts: Sequence[torch.Tensor], **kw: Any) -> Any:
+    """``c`` with its tensor arguments (also those in a list) after ``agree``."""
+    moved = agree(c, ts, **kw)
+    if not moved:
+        return c
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return moved.get(id(a), a)
+        if isinstance(a, (list, tuple)) and not isinstance(a, torch.Size):
+            return type(a)(swap(v) for v in a)
+        return a
+    return type(c)(c.run, c.func, c.name, tuple(swap(a) for a in c.args),
+                   {k: swap(v) for k, v in c.kwargs.items()})
 
 
-def _target(lay: Layout, t: torch.Tensor, key: tuple, nd: int) -> Layout:
+def _target(lay: Layout, where: dict, key: tuple) -> Layout:
     sizes = {d: s for d, s in enumerate(lay.sizes) if s is not None}
     for d, s in key:
-        k = nd - t.ndim + d
-        if k >= 0 and s is not None and lay.sizes[k] is not None:
-            sizes[k] = s
+        if d in where and s is not None and lay.sizes[where[d]] is not None:
+            sizes[where[d]] = s
     return Layout(lay.shape, lay.spec, _MeshOfLayout(lay), sizes)
 
 
-def _cost(lay: Layout, t: torch.Tensor, key: tuple, nd: int) -> int:
-    return moved_elements(lay, _target(lay, t, key, nd)) * t.element_size()
+def _cost(lay: Layout, t: torch.Tensor, where: dict, key: tuple) -> int:
+    return moved_elements(lay, _target(lay, where, key)) * t.element_size()
 
 
-def _lengths(c: Any, split: list, layouts: list, nd: int, dims: dict) -> None:
-    """Operands whose global lengths differ along a split dim do not broadcast (one
-    device raises too): a SpecError on every rank alike, before anything moves."""
+def _lengths(c: Any, split: list, layouts: list, where: list, dims: dict) -> None:
+    """Operands whose global lengths differ along a split dim do not match (one device
+    raises too): a SpecError on every rank alike, before anything moves."""
     for d, a in dims.items():
-        n = {lay.shape[nd - t.ndim + d] for lay, t in zip(layouts, split)
-             if nd - t.ndim + d >= 0 and c.ent(t)[nd - t.ndim + d]}
+        n = {lay.shape[w[d]] for lay, t, w in zip(layouts, split, where)
+             if d in w and c.ent(t)[w[d]]}
         if len(n) > 1:
-            c.refuse(f"combines tensors of global sizes {sorted(n)} along dim {d}, which is "
+            dim = f"dim {d}" if isinstance(d, int) else f"subscript {d!r}"
+            c.refuse(f"combines tensors of global sizes {sorted(n)} along {dim}, which is "
                      f"split over {axes_str(a)}: they do not match (as on one device)",
                      "make them the same global size (interpolate with size= the other's "
                      "global size, or pad)")

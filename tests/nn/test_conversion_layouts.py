@@ -177,6 +177,48 @@ def test_interpolating_back_to_the_global_size_agrees_with_the_skip():
     assert "mul operand 1 dim 2: [11, 11, 11, 11] -> [20, 4, 10, 10]" in str(conv.spmd_plan)
 
 
+def _back(x):  # balanced rows: pooled, then interpolated back to the global size
+    return F.interpolate(F.avg_pool2d(x, 2), size=(44, 6))
+
+
+def _set(x):
+    y = x.clone()
+    y[:] = _back(x)  # written into x's layout
+    return y
+
+
+AGREE = {
+    "where": (lambda x: torch.where(x > 0, x, _back(x)), H),
+    "in place": (lambda x: x.clone().mul_(_back(x)), H),
+    "stack": (lambda x: torch.stack([x, _back(x)]).sum(0), H),
+    "x[:] = y": (_set, H),
+    "einsum": (lambda x: torch.einsum("bchw,bchw->bhw", x, _back(x)), P(None, "sp")),
+    "cosine_similarity": (lambda x: F.cosine_similarity(x, _back(x), dim=1), P(None, "sp")),
+    "expand_as": (lambda x: x[:, :1].expand_as(_back(x)) * 1, H),
+    "broadcast_tensors": (lambda x: sum(torch.broadcast_tensors(x, _back(x))), H),
+}
+
+
+class Fn(nn.Module):
+    def __init__(self, f):
+        super().__init__()
+        self.f = f
+
+    def forward(self, x):
+        return self.f(x)
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_every_call_combining_operands_agrees_on_their_layouts(name):
+    f, out = AGREE[name]
+    mesh = spmd.Mesh((4,), ("sp",))
+    x = torch.randn(1, 2, 44, 6, dtype=F64)
+    conv = spmd.nn.convert(Fn(f), mesh, H)
+    y = spmd.shard_map(conv, mesh, H, out)(_sharded(x, mesh, [20, 4, 10, 10]))
+    torch.testing.assert_close(spmd.gather(y, mesh), f(x), **TOL)
+    assert "moved" in str(conv.spmd_plan)
+
+
 class WithLoss(nn.Module):
     def __init__(self):
         super().__init__()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ... import ops
+from .. import flow
 from ._base import (
     Call,
     PerOutput,
@@ -286,7 +287,8 @@ _RULES: dict[str, Callable] = {
     "ctc_loss": refuse_if_split("aligns sequences"),
     "equal": reads_values, "allclose": reads_values, "is_nonzero": reads_values, "new_tensor": coordinates,
     "rmatmul": refuse_if_split("multiplies matrices (right operand)"),
-    "broadcast_tensors": lambda c: c.out(c.call(), broadcast(c, _tensors(c))),
+    "broadcast_tensors": lambda c: (lambda c: c.out(c.call(), broadcast(c, _tensors(c))))(
+        flow.agreed(c, _tensors(c))),
 }
 
 

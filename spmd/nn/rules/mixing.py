@@ -127,6 +127,7 @@ def scan(c: Call) -> Any:
 
 def pairwise(c: Call) -> Any:
     """cosine_similarity(x1, x2, dim), pairwise_distance(x1, x2): over one dim, removed."""
+    c = flow.agreed(c, [c.args[0], c.args[1]])
     x1, x2 = c.args[0], c.args[1]
     entries = broadcast(c, [x1, x2])
     d = _arg(c, "dim", 2, 1 if c.name == "cosine_similarity" else -1)
@@ -300,6 +301,11 @@ def einsum(c: Call) -> Any:
                      "write the equation with an explicit '->' and no '...'")
         return c.call()
     lhs, rhs = eq.replace(" ", "").split("->")
+    subs = dict(zip((id(t) for t in ts), lhs.split(",")))
+    c = flow.agreed(c, ts, align=lambda t, k: subs[id(t)][k] if id(t) in subs else k)
+    ts = list(c.args[1:])
+    if len(ts) == 1 and isinstance(ts[0], (list, tuple)):
+        ts = list(ts[0])
     labels: dict[str, tuple] = {}
     for sub, t in zip(lhs.split(","), ts):
         e = c.ent(t)

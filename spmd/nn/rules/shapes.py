@@ -177,7 +177,8 @@ def expand(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)
     if c.name == "expand_as":
-        entries = broadcast(c, [x, c.args[1]])
+        c = flow.agreed(c, [x, c.args[1]])
+        entries = broadcast(c, [c.args[0], c.args[1]])
         return c.out(c.call(), entries)
     target = list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (tuple, list,
                                                                             torch.Size)) \
@@ -366,6 +367,9 @@ def setitem(c: Call) -> Any:
     split like its destination (or size 1 there)."""
     x, idx, value = c.args[0], c.args[1], c.args[2]
     dest = _index_entries(c, x, idx, writes=True)
+    if isinstance(value, torch.Tensor) and value.ndim == x.ndim:  # split alike: x stays
+        c = flow.agreed(c, [x, value], keep=x)
+        value = c.args[2]
     if isinstance(value, torch.Tensor):
         ve = c.ent(value)
         for k in range(value.ndim):
