@@ -196,6 +196,7 @@ AGREE = {
     "cosine_similarity": (lambda x: F.cosine_similarity(x, _back(x), dim=1), P(None, "sp")),
     "expand_as": (lambda x: x[:, :1].expand_as(_back(x)) * 1, H),
     "broadcast_tensors": (lambda x: sum(torch.broadcast_tensors(x, _back(x))), H),
+    "fewer dims": (lambda x: x + _back(x)[0], H),  # (C, H, W) against (N, C, H, W)
 }
 
 
