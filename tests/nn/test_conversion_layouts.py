@@ -68,6 +68,27 @@ def test_a_padding_mode_keeps_the_shard_sizes_through_a_residual(mode):
         torch.testing.assert_close(p.grad, q.grad, **TOL)
 
 
+def _per_rank_residual(mesh, net, x, sizes):
+    conv = spmd.nn.convert(net, mesh, H)
+    lay = Layout(x.shape, H, mesh, {2: sizes})
+    with spmd.comm_stats() as stats:
+        y = conv(lay.shard(x, mesh.rank))
+    return y, stats.calls("convert sizes", rank=mesh.rank)
+
+
+def test_per_rank_code_learns_the_input_sizes_once():
+    """No shard_map, so no layout comes with the input: one exchange of the local shapes
+    (after the plan), and the sizes flow from there."""
+    net = Residual("circular").double()
+    x = torch.randn(1, 2, 45, 6, dtype=F64)
+    got = spmd.launch(lambda m: _per_rank_residual(m, net, x, [30, 15]), (2,), ("sp",))
+    want = net(x)
+    lay = Layout(x.shape, H, spmd.Mesh((2,), ("sp",)), {2: [30, 15]})
+    for r, (y, exchanges) in enumerate(got):
+        assert exchanges == 1
+        torch.testing.assert_close(y, lay.shard(want, r), **TOL)
+
+
 def test_a_pad_joined_with_its_conv_makes_no_padded_copy_but_the_halo():
     """The conv of a reflect-padded layer moves its halo rows only (two rows of each
     rank's neighbour: 2 ranks, 2 samples x 2 channels x 6 columns, float64)."""
