@@ -239,6 +239,7 @@ def agree(c: Any, ts: Sequence[torch.Tensor], keep: torch.Tensor | None = None,
         if len(set(keys)) > 1:
             _lengths(c, split, layouts, where, dims)
             best, best_cost = None, None
+            keep = keep if any(t is keep for t in split) else None
             for j in range(len(split)):  # the target every other operand moves to
                 if keep is not None and split[j] is not keep:
                     continue
