@@ -122,8 +122,8 @@ def candidates(c: Any) -> dict[tuple, set]:
             continue
         sz = sizes_of(t, c.mesh)
         for d, a in enumerate(e):
-            if a:
-                out.setdefault(a, set()).add(None if sz is None else sz[d])
+            if a:  # with this rank's length, which an output keeping the sizes keeps
+                out.setdefault(a, set()).add((None if sz is None else sz[d], t.shape[d]))
     return out
 
 
@@ -151,18 +151,24 @@ def _one(c: Any, t: Any, given: Any, found: dict[tuple, set]) -> None:
             sizes = None
     elif given is not None:
         sizes = tuple(given)
-    else:
+    else:  # as the arguments' (each checked against its shard when it was made)
         sizes = []
-        for a in e:
+        for d, a in enumerate(e):
             if not a:
                 sizes.append(None)
                 continue
-            got = found.get(a, {None})
+            got = {sz for sz, _ in found.get(a, {(None, 0)})}
             if len(got) != 1 or None in got:
                 sizes = None
                 break
+            if not c.planning and any(n != t.shape[d] for _, n in found[a]):
+                raise SpecError(f"convert: spmd bug, please report: {c.name} gives a shard "
+                                f"{list(t.shape)} whose dim {d} is not as long as its "
+                                f"arguments' ({sorted(n for _, n in found[a])}), with the same "
+                                f"shard sizes {list(next(iter(got)))}")
             sizes.append(next(iter(got)))
-        sizes = tuple(sizes) if sizes is not None else None
+        set_sizes(t, c.mesh, tuple(sizes) if sizes is not None else None)
+        return
     set_sizes(t, c.mesh, sizes)
     if sizes is not None and not c.planning:
         _check(c, t, e, sizes)
@@ -216,6 +222,12 @@ def agree(c: Any, ts: Sequence[torch.Tensor], keep: torch.Tensor | None = None,
     with its bytes where the layouts are known."""
     split = [t for t in ts if isinstance(t, torch.Tensor) and any(c.ent(t))]
     if len(split) < 2:
+        return {}
+    first = split[0]
+    if align is None and all(  # the common case: alike in every way that matters here
+            t.ndim == first.ndim and c.ent(t) == c.ent(first) and
+            sizes_of(t, c.mesh) == sizes_of(first, c.mesh) is not None and
+            (not c.planning or t.shape == first.shape) for t in split[1:]):
         return {}
     if align is None:
         nd = max(t.ndim for t in ts if isinstance(t, torch.Tensor))
