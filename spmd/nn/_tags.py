@@ -26,6 +26,10 @@ class Tag(NamedTuple):
     mesh: Mesh
     entries: Entries
     poisoned: bool = False  # the output of a refused call (plan mode): nothing to report
+    #: The shard sizes of every split dim (one tuple per split dim, None at whole dims),
+    #: or None where they are not known: the global ``Layout`` of the tensor together with
+    #: its entries (``flow.py``). Worked out from rank-independent facts only.
+    sizes: tuple | None = None
 
 
 _ATTR = "_spmd_layout"
@@ -43,11 +47,12 @@ def entries_of(t: torch.Tensor, mesh: Mesh) -> Entries:
     return (None,) * t.ndim
 
 
-def set_tag(t: Any, mesh: Mesh, entries: Entries, poisoned: bool = False) -> None:
+def set_tag(t: Any, mesh: Mesh, entries: Entries, poisoned: bool = False,
+            sizes: tuple | None = None) -> None:
     if isinstance(t, torch.Tensor):
         if len(entries) != t.ndim:  # a rule's mistake must not pass silently
             raise AssertionError(f"entries {entries} for a tensor of {t.ndim} dims")
-        setattr(t, _ATTR, Tag(mesh, tuple(entries), poisoned))
+        setattr(t, _ATTR, Tag(mesh, tuple(entries), poisoned, sizes))
 
 
 def entries_from_spec(spec: P, ndim: int) -> Entries:

@@ -72,6 +72,14 @@ def convert(model: nn.Module, mesh: Mesh, spec: Any, *, example: Any = None,
       channel mask on split dims) come from a stream those ranks share; a draw on a
       tensor split over every mesh axis is each rank's own; under
       ``spmd.random.invariant(seed)`` each is a function of the global index;
+    - every split activation carries its layout (shard sizes), from the inputs' (a
+      ``spmd.Sharded`` input's uneven sizes too): a call that keeps a dim's length keeps
+      its sizes (a conv layer with a reflect, replicate or circular ``padding_mode`` runs
+      as one ``spmd.ops`` conv and keeps them too), a pool or an interpolation gives its
+      twin's layout; where two operands are split with other sizes (a skip ``torch.cat``,
+      a residual add, a loss's target), the cheaper one is redistributed to the other's
+      layout, moving only the rows that change owner (the plan lists the move and its
+      bytes);
     - calls that mix positions along a split dim with no twin (``torch.roll``, slicing or
       ``cat`` along it, a ``flatten`` that puts it behind another dim, a matmul over it,
       an FFT over it, ``F.unfold``'s patches across it, ``F.interpolate`` with

@@ -22,7 +22,7 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
-from . import state
+from . import flow, state
 from .backward import clean, recomputed_state
 from .hooks import backward_hooks_problem, late_hooks
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
@@ -85,8 +85,9 @@ class Config:
             if not isinstance(a, torch.Tensor):
                 return a
             tag = tag_of(a)
+            sizes = None
             if tag is not None and tag.mesh is self.mesh and len(tag.entries) == a.ndim:
-                entries = tag.entries
+                entries, sizes = tag.entries, tag.sizes
             else:
                 spec = self.spec_for(i, name)
                 if spec is not None and len(spec) > a.ndim:
@@ -96,7 +97,11 @@ class Config:
                 entries = entries_from_spec(spec, a.ndim) if spec is not None else \
                     (None,) * a.ndim
             t = make(a, entries) if make is not None else a.view_as(a)
-            set_tag(t, self.mesh, entries)
+            if sizes is None and make is not None:  # example=: balanced global shapes
+                sizes = flow.example_sizes(a.shape, entries, self.mesh)
+            set_tag(t, self.mesh, entries, sizes=sizes if any(entries) else None)
+            if make is None:
+                flow.input_sizes(self.mesh, a, t)
             return t
         return (tuple(one(a, i) for i, a in enumerate(args)),
                 {k: one(v, None, k) for k, v in kwargs.items()})
@@ -163,6 +168,9 @@ class Config:
             if isinstance(a, torch.Tensor)]
         plan = Plan(self.name, ins or ["no tensor inputs"], global_sizes=global_sizes)
         run = _Run(self, planning=True, plan=plan, sizes=sizes)
+        plan.layouts = [(f"input {i}", flow.describe(flow.layout(run, a)))
+                        for i, a in enumerate(margs)
+                        if isinstance(a, torch.Tensor) and any(entries_of(a, self.mesh))]
         run.start()
         try:
             # an activation checkpoint's saved-tensor hooks (a plan made in its recompute)
@@ -211,7 +219,8 @@ class Config:
         dims take a stand-in size, the others their own)."""
         key = (path, module.training, tuple(
             (a.ndim, a.dtype, tuple(None if e else s for e, s in
-                                    zip(entries_of(a, self.mesh), a.shape)))
+                                    zip(entries_of(a, self.mesh), a.shape)),
+             flow.sizes_of(a, self.mesh))
             if isinstance(a, torch.Tensor) else type(a) for a in _flat(args, kwargs)))
         with self._lock:
             plan = self.plans.get(key)
@@ -220,6 +229,8 @@ class Config:
                                  lambda a, e: [_CANONICAL if x else s for x, s in zip(e, a.shape)],
                                  name=path.strip("'"))
                 self.plans[key] = plan
+                if "spmd_plan" in vars(module):  # the model's own: its latest plan
+                    module.spmd_plan = plan
         return plan
 
 
@@ -277,6 +288,9 @@ class Enter:
         if self.cfg.strict and plan.incomplete:
             raise SpecError(f"convert(strict=True): the plan of {plan.model}'s forward stops "
                             f"short: {plan.incomplete}")
+        for a in _flat(args, kwargs):  # sizes no mark gave: one exchange, after the plan
+            if isinstance(a, torch.Tensor):
+                flow.input_sizes(self.cfg.mesh, a, a, exchange=True)
         if plan.incomplete and self.cfg.shared_by_threads():
             # what the plan did not see of the forward may change the shared layers: look
             name = self.path.strip("'")
@@ -348,6 +362,11 @@ class Exit:
                     if isinstance(t, torch.Tensor):
                         set_tag(t, run.mesh, e if t.ndim == ndim else (None,) * t.ndim)
         if frame.path:
+            if run.plan is not None and output is not None:
+                for t in _flat((output,), {}):
+                    if isinstance(t, torch.Tensor) and any(run.entries(t)):
+                        run.plan.layouts.append((run.where().split(" (")[0][3:],
+                                                 flow.describe(flow.layout(run, t))))
             run.paths.pop()
 
 

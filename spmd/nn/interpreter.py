@@ -104,6 +104,8 @@ class Plan:
     #: Rank threads run the forward on their own copies of the buffers it updates in
     #: place, and write back the value they agree on (``state.Views``).
     thread_local: bool = False
+    #: (where, layout): the inputs' and every layer's split outputs' global layouts.
+    layouts: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def refused(self) -> list[_Entry]:
@@ -145,6 +147,11 @@ class Plan:
             ops = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in sorted(passed.items()))
             lines.append(f"  passed   {sum(passed.values())} calls on split tensors that act "
                          f"per position or along whole dims: {ops}")
+        seen = set()
+        for where, lay in self.layouts:
+            if (where, lay) not in seen:
+                seen.add((where, lay))
+                lines.append(f"  layout   {where}: {lay}")
         if self.incomplete:
             lines.append(f"  plan incomplete: {self.incomplete}; later calls are checked as "
                          f"they run")
@@ -204,6 +211,7 @@ class _Run:
         # pushed again in backward (backward.py): converts a recompute or a tensor hook
         self.in_backward = False
         self.regions = Regions(self)  # the forward's activation-checkpoint regions
+        self.deferred: dict = {}  # pads joined with the conv that follows (rules.windows)
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -319,6 +327,8 @@ class _Run:
         if self.suspended:
             return draws.opaque(self, func, args, kwargs) if random else \
                 self.execute(func, args, kwargs)
+        if self.deferred:
+            rules.materialize(self, func, args, kwargs)
         split, poisoned = self._inspect(args, kwargs)
         if self.sizes is not None:
             problem = self.sizes.see(self, func, args, kwargs, poisoned)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from ... import ops
+from .. import flow
 from ..hooks import tensor_hook
 from ._base import (
     Call,
@@ -94,10 +95,21 @@ from .shapes import (
     view,
     view_as,
 )
-from .windows import _LOSSES, _adaptive, _indices_twin, _lp_pool, _twin, interpolate, loss
+from .windows import (
+    _LOSSES,
+    _adaptive,
+    _indices_twin,
+    _lp_pool,
+    _twin,
+    conv,
+    interpolate,
+    loss,
+    materialize,
+    pad,
+)
 
 __all__ = ["Call", "Refused", "PerOutput", "like_input", "rule_for", "op_name", "unknown",
-           "raise_refusal"]
+           "raise_refusal", "materialize"]
 
 _DUNDER = {
     "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub",
@@ -168,7 +180,7 @@ _TWINS: dict[str, Callable] = {}
 
 
 for _n in (1, 2, 3):
-    _TWINS[f"conv{_n}d"] = _twin(getattr(ops, f"conv{_n}d"))
+    _TWINS[f"conv{_n}d"] = conv(_n)
     _TWINS[f"conv_transpose{_n}d"] = _twin(getattr(ops, f"conv_transpose{_n}d"))
     _TWINS[f"max_pool{_n}d"] = _twin(getattr(ops, f"max_pool{_n}d"))
     _TWINS[f"_max_pool{_n}d"] = _TWINS[f"max_pool{_n}d"]
@@ -185,7 +197,7 @@ for _n in (1, 2, 3):
 _TWINS["interpolate"] = interpolate
 
 
-_TWINS["pad"] = _twin(ops.pad)
+_TWINS["pad"] = pad
 
 
 def _aten_pointwise(name: str) -> bool:
@@ -275,7 +287,8 @@ _RULES: dict[str, Callable] = {
     "ctc_loss": refuse_if_split("aligns sequences"),
     "equal": reads_values, "allclose": reads_values, "is_nonzero": reads_values, "new_tensor": coordinates,
     "rmatmul": refuse_if_split("multiplies matrices (right operand)"),
-    "broadcast_tensors": lambda c: c.out(c.call(), broadcast(c, _tensors(c))),
+    "broadcast_tensors": lambda c: (lambda c: c.out(c.call(), broadcast(c, _tensors(c))))(
+        flow.agreed(c, _tensors(c))),
 }
 
 

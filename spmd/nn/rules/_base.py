@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ...core.errors import SpecError
+from .. import flow
 from .._tags import Entries, LocalFloat, LocalSize, axes_str, local_sizes, split_dims
 
 
@@ -46,10 +47,15 @@ class Call:
                                 self.args if args is None else args,
                                 self.kwargs if kwargs is None else kwargs)
 
-    def out(self, result: Any, entries: Entries | Sequence[Entries | None] | None) -> Any:
+    def out(self, result: Any, entries: Entries | Sequence[Entries | None] | None,
+            sizes: Any = None) -> Any:
         """Tag ``result`` (a tensor, or a tuple/list of them) with ``entries`` (one for
-        all, or one per element; None: whole) and return it."""
+        all, or one per element; None: whole) and return it. Its split dims' shard
+        sizes are ``sizes`` (a ``Layout``, or a list of them per element), else those
+        of the arguments' dims split over the same axes (``flow.assign``)."""
+        found = flow.candidates(self)  # before tagging: an in-place result is an argument
         self.run.tag(result, entries)
+        flow.assign(self, result, sizes, found)
         return result
 
     def record(self, kind: str, detail: str = "") -> None:

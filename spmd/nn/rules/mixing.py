@@ -3,6 +3,8 @@ softmax, norms and attention over a split sequence (their ``spmd.ops`` twins); s
 matmuls, FFTs, rolls: refused where those dims are split."""
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 from ... import ops
 from ...transforms.reduction import reduce as _reduce
+from .. import flow
 from .._tags import axes_str, spec_of, split_dims
 from ..attention import sharded_mha_forward
 from ..modules import SHARDED, implicit_softmax_dim
@@ -124,6 +127,7 @@ def scan(c: Call) -> Any:
 
 def pairwise(c: Call) -> Any:
     """cosine_similarity(x1, x2, dim), pairwise_distance(x1, x2): over one dim, removed."""
+    c = flow.agreed(c, [c.args[0], c.args[1]])
     x1, x2 = c.args[0], c.args[1]
     entries = broadcast(c, [x1, x2])
     d = _arg(c, "dim", 2, 1 if c.name == "cosine_similarity" else -1)
@@ -297,6 +301,11 @@ def einsum(c: Call) -> Any:
                      "write the equation with an explicit '->' and no '...'")
         return c.call()
     lhs, rhs = eq.replace(" ", "").split("->")
+    subs = dict(zip((id(t) for t in ts), lhs.split(",")))
+    c = flow.agreed(c, ts, align=lambda t, k: subs[id(t)][k] if id(t) in subs else k)
+    ts = list(c.args[1:])
+    if len(ts) == 1 and isinstance(ts[0], (list, tuple)):
+        ts = list(ts[0])
     labels: dict[str, tuple] = {}
     for sub, t in zip(lhs.split(","), ts):
         e = c.ent(t)
@@ -563,7 +572,12 @@ def im2col(c: Call) -> Any:
                      "use a convolution (spmd.ops' twin runs it with a halo exchange), or "
                      "spmd.halo_pad the shard and F.unfold it in a shard_map body")
     res = c.call()
-    return c.out(res, tuple(e[:-2]) + (None,) if res.ndim == x.ndim - 1 else None)
+    k = _arg(c, "kernel_size", 1, 1)
+    factor = math.prod(k) if isinstance(k, (tuple, list)) else k * k
+    ch = x.ndim - 3  # split channels become runs of kernel-size rows
+    return c.out(res, tuple(e[:-2]) + (None,) if res.ndim == x.ndim - 1 else None,
+                 flow.scaled(c, x, list(range(x.ndim - 2)) + [x.ndim - 1], ch, factor)
+                 if res.ndim == x.ndim - 1 else None)
 
 
 def pixel_shuffle(c: Call) -> Any:

@@ -6,8 +6,9 @@ from typing import Any
 
 import torch
 
-from ...ops._window import input_layout
-from .._tags import LocalSize, local_sizes, spec_of
+from ...core._context import current_rank
+from .. import flow
+from .._tags import LocalSize, local_sizes
 from ._base import (
     Call,
     _arg,
@@ -34,6 +35,12 @@ def pointwise(c: Call) -> Any:
     if cut:
         args, kwargs = _swapped(args, cut), {k: _swapped(v, cut) for k, v in kwargs.items()}
         ts = [cut.get(id(t), t) for t in ts]
+    target = c.kwargs.get("out", c.args[0] if c.args else None) if inplace else None
+    moved = flow.agree(c, ts, keep=target)  # operands split alike, else one moves
+    if moved:
+        args, kwargs = _swapped(args, moved), {k: _swapped(v, moved) for k, v in kwargs.items()}
+        ts = [moved.get(id(t), t) for t in ts]
+        c = Call(c.run, c.func, c.name, args, kwargs)
     entries = broadcast(c, ts)
     _no_local_sizes(c)
     if inplace:
@@ -54,9 +61,9 @@ def _cut_whole(c: Call, ts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     takes its part of them (a differentiable slice at its offset), so ``tokens + table``
     is exact. ``{id(whole): its slice}``, tagged split like the other operand.
 
-    The global size and the offset come from the split operand's layout (one small size
-    exchange, cached inside shard_map; none while planning, on meta tensors, where the
-    slice is only a shape). A table of another size is left whole: broadcasting refuses
+    The global size and the offset come from the split operand's layout (``flow.py``:
+    known from the input's, or one small size exchange; none while planning, on meta
+    tensors, where the slice is only a shape). A table of another size is left whole: broadcasting refuses
     it, on every rank alike (the sizes compared are global)."""
     nd = max((t.ndim for t in ts), default=0)
     whole = [t for t in ts if t.ndim and not any(c.ent(t))]
@@ -85,7 +92,8 @@ def _cut_whole(c: Call, ts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
                     offset, size = 0, n
                 else:
                     if id(x) not in layouts:
-                        layouts[id(x)] = c.call(lambda t, x=x: _layout_of(t, c, x), (x,), {})
+                        # its layout (known from the flow, or one exchange)
+                        layouts[id(x)] = (current_rank(c.mesh), flow.layout(c.run, x))
                     rank, lay = layouts[id(x)]
                     offset, size = lay.offsets(rank)[kx], lay.shape[kx]
                 if w.shape[k] != size:
@@ -97,11 +105,6 @@ def _cut_whole(c: Call, ts: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     if cut:
         c.record("sliced", "whole operands cut to this rank's part of the split dims")
     return cut
-
-
-def _layout_of(t: torch.Tensor, c: Call, x: torch.Tensor) -> tuple[int, Any]:
-    rc, lay = input_layout(t, c.mesh, spec_of(c.ent(x)), "convert")
-    return rc.rank, lay
 
 
 def _swapped(a: Any, cut: dict[int, torch.Tensor]) -> Any:

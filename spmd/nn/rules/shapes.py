@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import flow
 from .._tags import Entries, LocalSize, split_dims
 from ._base import Call, _arg, _dim, _dims, _no_local_sizes, _where, broadcast, share
 from .per_position import same
@@ -117,7 +118,10 @@ def flatten(c: Call) -> Any:
                      "split the first of the flattened dims instead (or only it), or reduce "
                      "(pool) the split dims first")
     out = e[:start] + (e[start],) + e[end + 1:] if x.ndim else ()
-    return c.out(c.call(), out)
+    # a split first dim's rows become runs of prod(whole dims behind it) elements
+    factor = math.prod(int(v) for v in x.shape[start + 1:end + 1])
+    keep = list(range(start + 1)) + list(range(end + 1, x.ndim))
+    return c.out(c.call(), out, flow.scaled(c, x, keep, start, factor) if x.ndim else None)
 
 
 def unflatten(c: Call) -> Any:
@@ -173,7 +177,8 @@ def expand(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)
     if c.name == "expand_as":
-        entries = broadcast(c, [x, c.args[1]])
+        c = flow.agreed(c, [x, c.args[1]])
+        entries = broadcast(c, [c.args[0], c.args[1]])
         return c.out(c.call(), entries)
     target = list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (tuple, list,
                                                                             torch.Size)) \
@@ -220,7 +225,22 @@ def cat(c: Call) -> Any:
     if any(e != es[0] for e in es):
         c.refuse("concatenates tensors split differently (some whole)",
                  "split all of them the same way")
+    c = _agreed(c, ts)
     return c.out(c.call(), es[0])
+
+
+def _agreed(c: Call, ts: list) -> Call:
+    """``c`` with its tensors (the first argument's list) split with the same sizes:
+    all but one moved to the layout that moves the fewest bytes (``flow.agree``)."""
+    moved = flow.agree(c, ts)
+    if not moved:
+        return c
+    key = "tensors" if not c.args else None
+    given = c.args[0] if c.args else c.kwargs["tensors"]
+    new = type(given)(moved.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in given)
+    if key:
+        return Call(c.run, c.func, c.name, c.args, {**c.kwargs, key: new})
+    return Call(c.run, c.func, c.name, (new,) + tuple(c.args[1:]), c.kwargs)
 
 
 def stack(c: Call) -> Any:
@@ -230,6 +250,7 @@ def stack(c: Call) -> Any:
     if any(e != es[0] for e in es):
         c.refuse("stacks tensors split differently (some whole)",
                  "split all of them the same way")
+    c = _agreed(c, list(ts))
     nd = ts[0].ndim + 1
     d = d % nd if d < 0 else d
     return c.out(c.call(), es[0][:d] + (None,) + es[0][d:])
@@ -346,6 +367,9 @@ def setitem(c: Call) -> Any:
     split like its destination (or size 1 there)."""
     x, idx, value = c.args[0], c.args[1], c.args[2]
     dest = _index_entries(c, x, idx, writes=True)
+    if isinstance(value, torch.Tensor) and value.ndim == x.ndim:  # split alike: x stays
+        c = flow.agreed(c, [x, value], keep=x)
+        value = c.args[2]
     if isinstance(value, torch.Tensor):
         ve = c.ent(value)
         for k in range(value.ndim):

@@ -13,22 +13,52 @@ import torch
 import torch.nn.functional as F
 
 from ... import ops
+from ...core._context import current_rank
 from ...transforms.reduction import reduce as _reduce
+from .. import flow
 from .._tags import spec_of
 from ._base import Call, _arg, _no_local_sizes, _where, broadcast, like_input
 
 
-def _swap(c: Call, detail: str, make: Callable[[Any], Callable]) -> Any:
+def _swap(c: Call, detail: str, make: Callable[[Any], Callable],
+          out_layout: Callable[[Any], Any] | None = None) -> Any:
     """Run ``c`` as its twin where its input is split: ``make(spec)`` gives a function
-    with the intercepted function's arguments (the plan runs the plain one on meta)."""
+    with the intercepted function's arguments (the plan runs the plain one on meta).
+    The twin is given the input's ``Layout`` where it is known (no size exchange), and
+    ``out_layout(layout)`` says how its output is split."""
     x = c.args[0]
     e = c.ent(x)
     if not any(e):
         return c.call()
-    c.record("swapped", detail)
+    # only the windowed ops take a Layout for spec= (and need the sizes)
+    lay = flow.layout(c.run, x) if out_layout is not None else None
+    out = None
+    if lay is not None:
+        try:
+            out = out_layout(lay)
+        except Exception:  # noqa: BLE001 - the twin raises the real error, on every rank
+            out = None
+    c.record("swapped", detail + (f" ({flow.describe(out)})" if out is not None else ""))
     if c.planning:
-        return c.out(c.call(), like_input(c, x))
-    return c.out(c.call(make(spec_of(e))), like_input(c, x))
+        return c.out(c.call(), like_input(c, x), out)
+    return c.out(c.call(make(lay if lay is not None else spec_of(e))), like_input(c, x), out)
+
+
+def _layout_args(real: Callable, c: Call) -> tuple[tuple, dict]:
+    """``c``'s arguments after the input, as ``real.output_layout`` takes them (a
+    convolution's weight shape for its weight, no bias; a pad without its value)."""
+    args, kwargs = list(c.args[1:]), dict(c.kwargs)
+    if real.__name__.startswith("conv"):
+        w = kwargs.pop("weight", None)
+        if w is None and args:
+            w = args.pop(0)
+        kwargs.pop("bias", None)
+        if args:
+            args.pop(0)  # the bias
+        args.insert(0, tuple(w.shape))
+    if real.__name__ == "pad":
+        args, kwargs = args[:2], {k: v for k, v in kwargs.items() if k != "value"}
+    return tuple(args), kwargs
 
 
 def _twin(real: Callable):
@@ -42,7 +72,11 @@ def _twin(real: Callable):
 
         def make(spec):
             return lambda *args, **kwargs: real(*args, mesh=c.mesh, spec=spec, **kwargs)
-        return _swap(c, f"-> spmd.ops.{real.__name__}", make)
+
+        def out_layout(lay):
+            args, kwargs = _layout_args(real, c)
+            return real.output_layout(lay, *args, **kwargs)
+        return _swap(c, f"-> spmd.ops.{real.__name__}", make, out_layout)
     return rule
 
 
@@ -131,7 +165,12 @@ def _indices_twin(real: Callable):
                             a.get("dilation", 1), a.get("ceil_mode", False), True,
                             mesh=c.mesh, spec=spec)
             return run
-        return _swap(c, f"-> spmd.ops.{real.__name__}(return_indices=True)", make)
+        def out_layout(lay):
+            args, kwargs = _layout_args(real, c)
+            kwargs.pop("return_indices", None)
+            return real.output_layout(lay, *args[:1 if real.__name__.startswith("adaptive")
+                                                  else 5], **kwargs)
+        return _swap(c, f"-> spmd.ops.{real.__name__}(return_indices=True)", make, out_layout)
     return rule
 
 
@@ -147,7 +186,12 @@ def _lp_pool(n: int):
                 return (torch.sign(out) * torch.relu(torch.abs(out))).mul(math.prod(k)).pow(
                     1.0 / norm_type)
             return run
-        return _swap(c, f"-> pow, spmd.ops.avg_pool{n}d, pow (lp_pool{n}d's formula)", make)
+        def out_layout(lay):
+            k = _arg(c, "kernel_size", 2, None)
+            return avg.output_layout(lay, k, _arg(c, "stride", 3, None), 0,
+                                     _arg(c, "ceil_mode", 4, False))
+        return _swap(c, f"-> pow, spmd.ops.avg_pool{n}d, pow (lp_pool{n}d's formula)", make,
+                     out_layout)
     return rule
 
 
@@ -169,6 +213,11 @@ def loss(c: Call) -> Any:
     a = ba.arguments
     inp, tgt = a["input"], a["target"]
     classes = c.name in ("cross_entropy", "nll_loss") and tgt.ndim == inp.ndim - 1
+    if not classes and isinstance(tgt, torch.Tensor):  # input and target split alike
+        moved = flow.agree(c, [inp, tgt])
+        if moved:
+            a["input"], a["target"] = inp, tgt = moved.get(id(inp), inp), moved.get(id(tgt), tgt)
+            c = Call(c.run, c.func, c.name, ba.args, ba.kwargs)
     ei, et = c.ent(inp), c.ent(tgt)
     if classes:
         if inp.ndim > 1 and ei[1]:
@@ -220,3 +269,116 @@ def loss(c: Call) -> Any:
             return _reduce(local, c.mesh, spec, op="sum") / inp.shape[0]
         return _reduce(local, c.mesh, spec, op="mean")
     return c.out(c.call(twin), None)
+
+
+# -- a padding mode other than zeros: F.pad, then a conv without padding, as one op -------------
+
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+_PAD_TWIN = _twin(ops.pad)
+_MODES = ("reflect", "replicate", "circular")
+
+
+def pad(c: Call) -> Any:
+    """``F.pad``: its ``spmd.ops`` twin, whose edge ranks hold the padding. Inside a
+    ``Conv1d/2d/3d`` layer with ``padding_mode`` reflect, replicate or circular (torch pads,
+    then convolves without padding), the pad is deferred and joined with the conv that
+    follows into ``spmd.ops.convNd(padding_mode=...)``: one length-keeping op, whose output
+    keeps the input's shard sizes, with no padded copy. Any other use of the padded tensor
+    makes it first."""
+    x = c.args[0]
+    e = c.ent(x)
+    mode = _arg(c, "mode", 2, "constant")
+    m = c.run.module_at()
+    if not (any(e) and mode in _MODES and isinstance(m, _CONVS) and m.padding_mode == mode
+            and _arg(c, "value", 3, None) is None):
+        return _PAD_TWIN(c)
+    p = tuple(int(v) for v in _arg(c, "pad", 1, ()))
+    lay = flow.layout(c.run, x)
+    padded = ops.pad.output_layout(lay, p, mode) if lay is not None else None
+    if c.planning:
+        ph = c.call()
+    else:
+        shape = padded.local_shape(current_rank(c.mesh))
+        ph = c.call(lambda t: t.new_empty(shape), (x,), {})
+    c.run.deferred[id(ph)] = (ph, x, p, mode)
+    c.record("swapped", f"-> spmd.ops.conv{len(m.kernel_size)}d(padding_mode={mode!r}): "
+                        f"joined with the {type(m).__name__}'s conv that follows")
+    return c.out(ph, e, padded)
+
+
+def materialize(run: Any, func: Callable, args: tuple, kwargs: dict) -> None:
+    """Make the deferred pads that ``func``'s arguments hold, unless ``func`` is the conv
+    that takes one in (``pad``)."""
+    name = op_name_of(func)
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if not isinstance(t, torch.Tensor) or id(t) not in run.deferred:
+                continue
+            if name in ("conv1d", "conv2d", "conv3d") and args and t is args[0]:
+                continue
+            ph, x, p, mode = run.deferred.pop(id(t))
+            if run.planning:
+                continue  # the stand-in is the pad's shape already
+            lay = flow.layout(run, x)
+            padded = run.execute(lambda v: ops.pad(v, p, mode, mesh=run.mesh, spec=lay),
+                                 (x,), {})
+            run.internal += 1
+            try:
+                ph.copy_(padded)
+            finally:
+                run.internal -= 1
+
+
+def conv(n: int):
+    real = getattr(ops, f"conv{n}d")
+    twin = _twin(real)
+
+    def rule(c: Call) -> Any:
+        x = c.args[0]
+        got = c.run.deferred.pop(id(x), None) if isinstance(x, torch.Tensor) else None
+        padding = _arg(c, "padding", 4, 0)
+        if got is None:
+            return twin(c)
+        if not (padding == "valid" or all(v == 0 for v in ntuple_of(padding, n))):
+            c.run.deferred[id(x)] = got
+            materialize(c.run, lambda: None, (x,), {})
+            return twin(c)
+        _, src, p, mode = got
+        pairs = tuple((p[2 * (n - 1 - i)], p[2 * (n - 1 - i) + 1]) if 2 * (n - i) <= len(p)
+                      else (0, 0) for i in range(n))
+        a = list(c.args) + [None] * (7 - len(c.args))
+        weight = c.kwargs.get("weight", a[1])
+        bias = c.kwargs.get("bias", a[2])
+        stride = c.kwargs.get("stride", a[3] if a[3] is not None else 1)
+        dilation = c.kwargs.get("dilation", a[5] if a[5] is not None else 1)
+        groups = c.kwargs.get("groups", a[6] if a[6] is not None else 1)
+        joined = Call(c.run, c.func, c.name, (src, weight, bias, stride, pairs, dilation, groups),
+                      {})
+
+        def make(spec):
+            return lambda *_, **__: real(src, weight, bias, stride, pairs, dilation, groups,
+                                         mesh=c.mesh, spec=spec, padding_mode=mode)
+
+        def out_layout(lay):
+            return real.output_layout(lay, tuple(weight.shape), stride, pairs, dilation, groups,
+                                      padding_mode=mode)
+        if c.planning:  # the plain conv of the padded stand-in
+            joined = Call(c.run, c.func, c.name, c.args, c.kwargs)
+            lay = flow.layout(c.run, src)
+            out = out_layout(lay) if lay is not None else None
+            c.record("swapped", f"-> spmd.ops.conv{n}d(padding_mode={mode!r})" +
+                     (f" ({flow.describe(out)})" if out is not None else ""))
+            return c.out(c.call(), like_input(c, x), out)
+        return _swap(joined, f"-> spmd.ops.conv{n}d(padding_mode={mode!r})", make, out_layout)
+    return rule
+
+
+def op_name_of(func: Callable) -> str:
+    from . import op_name
+    return op_name(func)
+
+
+def ntuple_of(v: Any, n: int) -> tuple:
+    if isinstance(v, (tuple, list)):
+        return tuple(v)
+    return (v,) * n
