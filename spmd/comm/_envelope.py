@@ -134,7 +134,8 @@ def _order(name: str, group: Group, ra: int, ha: list[int], rb: int, hb: list[in
             f"#{hb[SEQ]}: they ran different numbers of collectives on it before this "
             f"{_kind(ha)}; every rank must run the same collectives in the same order",
             op=name, axes=group.axes)
-    if ha[EXTRA] != hb[EXTRA]:
+    low = _OPCODES["reduce_scatter"] == ha[KIND]  # the chunk shapes' hash: compared last
+    if (ha[EXTRA] & 0xFF if low else ha[EXTRA]) != (hb[EXTRA] & 0xFF if low else hb[EXTRA]):
         label, a, b = _extra(_kind(ha), ha[EXTRA], hb[EXTRA])
         return CommError(f"{where}: rank {ra} passed {label} {a} but rank {rb} passed {label} "
                          f"{b}; every rank must pass the same {label}", op=name, axes=group.axes)
@@ -166,6 +167,12 @@ def check_all(heads: list[list[int]], group: Group, name: str, *, skip_dim: int 
                 f"{ranks[i]} passed {describe(h)}; every rank must pass the same dtype and "
                 f"shape" + (f" (except along dim {skip_dim})" if skip_dim is not None else ""),
                 op=name, axes=group.axes)
+    for i, h in enumerate(heads[1:], 1):
+        if h[EXTRA] != h0[EXTRA]:  # reduce_scatter's chunk shapes, the total alike
+            label, a, b = _extra(_kind(h0), h0[EXTRA], h[EXTRA])
+            raise CommError(f"{name} over {_axes(group)}: rank {ranks[0]} passed {label} {a} "
+                            f"but rank {ranks[i]} passed {label} {b}; every rank must pass "
+                            f"the same {label}", op=name, axes=group.axes)
     if sizes is not None:
         got = tuple(h[ROW + 3 + skip_dim] for h in heads)
         if got != sizes:

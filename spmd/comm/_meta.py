@@ -125,8 +125,10 @@ def _check_rows(rows: list[list[int]], group: Group, name: str, *, skip_dim=None
 
 
 def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
+    if op == "reduce_scatter" and a & 0xFF == b & 0xFF:  # the chunk shapes' hash differs
+        return "chunk shapes", "one set", "another"
     if op in ("all_reduce", "reduce_scatter"):
-        return "reduction op", repr(REDUCE_OPS[a]), repr(REDUCE_OPS[b])
+        return "reduction op", repr(REDUCE_OPS[a & 0xFF]), repr(REDUCE_OPS[b & 0xFF])
     if op == "all_gather":
         return "dim", a, b
     if op in ("broadcast", "scatter"):
@@ -142,14 +144,6 @@ def _plans_disagree(name: str, group: Group, rank: int, want: list[int], src: in
                      f"from rank {src} but it {verb} {_describe_row(sent)}; the ranks' plans "
                      f"disagree (an argument that differs from rank to rank, e.g. {example})"
                      f"{tail}", op=name, axes=group.axes)
-
-
-def _mismatch(name: str, group: Group, head) -> str:
-    return (f"{name} over {_axes(group)}: the ranks did not all call it alike: rank "
-            f"{group.rank} called {head.what}, and the header every rank sends with its data "
-            f"says another rank called it with a different reduction op, dtype or shape. "
-            f"The result would be garbage, so every rank raises; run with SPMD_VALIDATE=1 to "
-            f"have the differing ranks named")
 
 
 def _axes(group: Group) -> str:
