@@ -14,7 +14,10 @@ size, and read each other's heads:
 
 - all_reduce of at most ``INLINE`` bytes, barrier, all_gather of at most ``INLINE``
   bytes: one all_gather of envelopes (the payload inline); a reduction is reduced
-  locally in process-group order (bitwise equal on every rank).
+  locally in process-group order (bitwise equal on every rank). Larger reductions and
+  reduce_scatter: the same all_gather of envelopes (no payload), then gloo's ring
+  reduction, started only where they agree (reduce_scatter's envelope announces the
+  chunks' total element count; ``EXTRA`` holds the op and a hash of the chunk shapes).
 - all_gather of more, all_to_all, permute: point to point, tagged with the call number
   (calls in flight together never match each other's messages). A sender sends each
   receiver its envelope (the payload inline where it fits) and, where it does not fit,
@@ -30,12 +33,14 @@ size, and read each other's heads:
   is raised by the ranks that receive (those that would have received garbage); a rank
   that only sends does not hear of it.
 
-Calls of different transports (an all_gather of envelopes against a point-to-point one,
-or against a ring reduction of ``_header.py``) never meet: they time out, and the
+Calls of different transports (an all_gather of envelopes against a point-to-point one)
+never meet: they time out, and the
 timeout names the call each other rank waits in (``_groups.py``).
 
-No extra round trip: the head travels in the message that would carry the data anyway
-(the payload of a large transfer follows its envelope without waiting for an answer).
+No extra round trip but for the ring reductions: the head travels in the message that
+would carry the data anyway (the payload of a large transfer follows its envelope without
+waiting for an answer); a ring reduction's envelopes are one small all_gather before it
+(the copy of the payload is made while it is in flight).
 """
 from __future__ import annotations
 

@@ -78,6 +78,21 @@ def _unreducible(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return flat
 
 
+def wire_op(op: str, dtype: torch.dtype) -> str:
+    """The op on the wire: bool sums are logical or (max); min is max of reversed values
+    (``reverse_``), so that NaN handling needs one flag (``TorchComm.all_reduce``)."""
+    if dtype == torch.bool and op == "sum":
+        return "max"
+    return "sum" if op == "sum" else "max"
+
+
+def reverse_(t: torch.Tensor) -> torch.Tensor:
+    """Reverse the order of ``t``'s values in place (its own inverse): min = rev(max(rev))."""
+    if t.is_floating_point():
+        return t.neg_()
+    return t.bitwise_not_()
+
+
 def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
     if not -x.ndim <= dim < max(x.ndim, 1) or x.ndim == 0:
         raise SpecError(f"{name}: dim {dim} is out of range for {shape_str(x.shape, x.dtype)}")

@@ -21,23 +21,22 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
 What the ranks must agree on is checked with default settings, in the messages that
 carry the data (no extra round trip), for CPU tensors:
 
-- all_gather, all_to_all, permute, all_reduce of at most 512 bytes, barrier: an
-  envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
-  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. Small
-  ones (at most 512 bytes: reductions, barriers, all_gathers) are one all_gather of
-  envelopes, the payload inline (all_gather without ``sizes``: a second all_gather of
-  the payloads where one did not fit, sized from the checked envelopes); larger
-  all_gathers, all_to_alls and permutes go point to point, envelope first
-  (``_envelope.py`` says when the payload's receive is posted). Ranks that disagree
-  about anything, element counts included, raise a ``CommError`` naming the op, the
-  ranks and what differs, instead of reading garbage or gloo aborting the process; the
-  one exception: a point-to-point payload larger than the receiver's plan, where the
-  plan knows the size, still makes gloo abort. Every rank raises (a permute: every rank
-  that receives). Small reductions are reduced locally from every member's envelope,
-  in process-group order: bitwise equal on every rank.
-- all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
-  reduced along with the data (``_header.py``): op, dtype and shape differences raise
-  on every rank.
+- every collective but broadcast and scatter: an envelope (``_envelope.py``) heads
+  every transfer: the collective, the call's number on its group, its argument
+  (reduction op, dim, pairs), dtype, shape and byte count. Small ones (at most 512
+  bytes: reductions, barriers, all_gathers) are one all_gather of envelopes, the payload
+  inline (all_gather without ``sizes``: a second all_gather of the payloads where one did
+  not fit, sized from the checked envelopes); larger reductions and reduce_scatter
+  exchange their envelopes the same way and start gloo's ring reduction only once they
+  agree (one more small collective: gloo aborts the process on a ring reduction whose
+  sizes differ); larger all_gathers, all_to_alls and permutes go point to point,
+  envelope first (``_envelope.py`` says when the payload's receive is posted). Ranks
+  that disagree about anything, element counts included, raise a ``CommError`` naming
+  the op, the ranks and what differs, instead of reading garbage or gloo aborting the
+  process; the one exception: a point-to-point payload larger than the receiver's plan,
+  where the plan knows the size, still makes gloo abort. Every rank raises (a permute:
+  every rank that receives). Small reductions are reduced locally from every member's
+  envelope, in process-group order: bitwise equal on every rank.
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
   ones staged piece by piece) and sends nothing to itself; receivers receive straight
@@ -49,11 +48,10 @@ carry the data (no extra round trip), for CPU tensors:
 
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
-small collective (a round trip): element counts of the ring reductions (all_reduce
-above 512 bytes, reduce_scatter) and point-to-point payloads larger than planned (gloo
+small collective (a round trip): point-to-point payloads larger than planned (gloo
 aborts the process where they differ, and only an exchange before the data could
-prevent it), ``all_reduce_async`` (GradSync's buckets,
-reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
+prevent it), ``all_reduce_async`` (GradSync's buckets, reduced in place, carry no
+envelope), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
 all_gather of envelopes, point-to-point envelopes, a ring reduction) never meet: they
@@ -63,8 +61,7 @@ check off (the bare collectives).
 This module holds the collectives; ``_groups.py`` the process groups and bounded waits,
 ``_meta.py`` the metadata rows and their errors, ``_envelope.py`` the fingerprint,
 ``_checked.py`` the collectives' paths in envelopes and ``_p2p.py`` their
-point-to-point transfers, ``_header.py`` the ring
-reductions' header, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
+point-to-point transfers, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
 the async handle.
 """
 from __future__ import annotations
@@ -84,14 +81,14 @@ import torch.distributed as dist
 from ..core._format import shape_str
 from ..core.errors import CommError, SpecError
 from ..core.mesh import Group, Mesh
-from . import _envelope, _header
+from . import _envelope
 from ._checked import _Checked
 from ._groups import _PG, _ProcessGroups, _Progress
-from ._header import wire_op
 from ._meta import (_MAXDIM, _ROP_CODE, _ROPS, _ROW,
                     _all_gather_single, _axes, _bytes, _check_rows, _copy, _dtype,
                     _norm_dim, _numel, _piece_bytes, _plans_disagree,
-                    _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible)
+                    _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible,
+                    reverse_, wire_op)
 from ._p2p import _Exchange
 from ._validate import _Validation
 from ._work import _TorchWork
@@ -161,7 +158,7 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         def fill() -> None:
             vals.copy_(x.detach())
             if op == "min":
-                _header.reverse_(body)
+                reverse_(body)
             if extreme:
                 # NaN wins, as in torch.amax (gloo's and NCCL's max drop it): it travels
                 # as max's identity and the flag says some rank holds one; only then does
@@ -187,7 +184,7 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
             self._call(dist.all_reduce, name, group, rec, seq, where, op=_ROPS["max"])
             body.masked_fill_(where.bool(), math.nan)
         if op == "min":
-            _header.reverse_(body)
+            reverse_(body)
         return vals
 
     def _checked(self, device: torch.device) -> bool:
@@ -317,13 +314,13 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
                 inp[p, :f.numel()].copy_(f)
             inp = inp.view(-1)
         if op == "min":
-            _header.reverse_(inp)
+            reverse_(inp)
         out = inp.new_empty(m)
         self._call(_reduce_scatter_single, name, group, rec, seq, out, inp,
                    op=_ROPS[wire_op(op, mine.dtype)])
         res = out[:k]
         if op == "min":
-            _header.reverse_(res)
+            reverse_(res)
         return _unreducible(res, mine.dtype).view(mine.shape)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):
