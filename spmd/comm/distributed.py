@@ -19,7 +19,7 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   unusable (the transfer is still pending): tear it down.
 
 What the ranks must agree on is checked with default settings, in the messages that
-carry the data (no extra round trip), for CPU tensors:
+carry the data (no extra round trip but before a ring reduction), for CPU tensors:
 
 - every collective but broadcast and scatter: an envelope (``_envelope.py``) heads
   every transfer: the collective, the call's number on its group, its argument
@@ -54,7 +54,7 @@ prevent it), ``all_reduce_async`` (GradSync's buckets, reduced in place, carry n
 envelope), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
-all_gather of envelopes, point-to-point envelopes, a ring reduction) never meet: they
+all_gather of envelopes, point-to-point envelopes) never meet: they
 time out, each naming the call the other waits in. ``SPMD_VALIDATE=0`` turns every
 check off (the bare collectives).
 
@@ -111,8 +111,9 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
 
     Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
     covering the mesh. Per-call cost over raw torch.distributed: one copy of the input
-    (never modified in place), a dict lookup and the fingerprint's envelope or header
-    (see the module docstring); no extra collective unless validation is on.
+    (never modified in place), a dict lookup and the fingerprint's envelope (see the
+    module docstring); one more small collective before a ring reduction (all_reduce
+    above 512 bytes, reduce_scatter), and before every collective under validation.
     """
 
     def __init__(self, mesh: Mesh):
