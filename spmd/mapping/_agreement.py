@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..comm import comm_of
+from ..comm.stats import uncounted
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..transforms.sharded import Sharded
@@ -89,8 +90,9 @@ def _check_call_agrees(mesh: Mesh, in_specs: Any, out_specs: Any, grad_on: bool,
     row = [_crc(repr(in_specs)), _crc(repr(out_specs)), int(grad_on), len(needs_grad), *bits,
            _crc(repr(needs_grad[62 * _RG_WORDS:]))]
     mine = torch.tensor([row], dtype=torch.int64, device=mesh.device)
-    rows = [t[0].tolist() for t in comm_of(mesh).all_gather(
-        mine, group, 0, name="shard_map check", sizes=(1,) * group.size)]
+    with uncounted():  # an agreement check, not the program's communication
+        rows = [t[0].tolist() for t in comm_of(mesh).all_gather(
+            mine, group, 0, name="shard_map check", sizes=(1,) * group.size)]
     ranks = group.ranks
 
     def differ(k: int) -> list[int]:
