@@ -21,14 +21,15 @@ size, and read each other's heads:
 - all_gather of more, all_to_all, permute: point to point, tagged with the call number
   (calls in flight together never match each other's messages). A sender sends each
   receiver its envelope (the payload inline where it fits) and, where it does not fit,
-  the payload right after it. Where this rank's plan knows what arrives (all_gather with
-  ``sizes``, permute, all_to_all with ``shapes``) the payload's receive is posted with
-  the envelope's, sized by the plan (a receive posted after its envelope arrived is
-  gloo's slow path: milliseconds on a loaded machine): a payload smaller than planned
-  arrives and its envelope says so; a larger one makes gloo abort the process, which
-  only ``SPMD_VALIDATE=1`` prevents. Where the plan does not know (all_to_all without
-  ``shapes``), the payload is received after its envelope, of the size the envelope
-  announced: nothing can abort. all_gather and all_to_all ranks receive from every
+  the payload right after it, in at most two pieces. Where this rank's plan knows what
+  arrives (all_gather with ``sizes``, permute, all_to_all with ``shapes``) the
+  payload's receives are posted with the envelope's (a receive posted after its
+  envelope arrived is gloo's slow path: milliseconds on a loaded machine), and the plan
+  travels to the sender, which never sends more than a receive holds (``_p2p.py``):
+  a payload of another size than planned arrives cut or short, and its envelope says
+  so. Where the plan does not know (all_to_all without ``shapes``), the payload is
+  received after its envelope, of the size the envelope announced. Nothing can abort
+  the process. all_gather and all_to_all ranks receive from every
   other member, so every rank reads every head: every rank raises. A permute's error
   is raised by the ranks that receive (those that would have received garbage); a rank
   that only sends does not hear of it.
@@ -71,8 +72,11 @@ def head_of(kind: str, seq: int, extra: int, shape, dtype: torch.dtype, name: st
 
 def tag_of(seq: int) -> int:
     """The point-to-point tag of call ``seq``: calls in flight together never match each
-    other's messages (0 is left to scatter's pieces)."""
-    return 1 + seq % (1 << 30)
+    other's messages (0 is left to scatter's pieces; ``PLAN_TAG`` and above to plans)."""
+    return 1 + seq % (PLAN_TAG - 1)
+
+
+PLAN_TAG = 1 << 29  # added to a call's tag for its plans (_p2p.py): never an envelope's
 
 
 def pack(head: list[int], payload: torch.Tensor | None, device) -> torch.Tensor:

@@ -33,9 +33,8 @@ carry the data (no extra round trip but before a ring reduction), for CPU tensor
   envelope first (``_envelope.py`` says when the payload's receive is posted). Ranks
   that disagree about anything, element counts included, raise a ``CommError`` naming
   the op, the ranks and what differs, instead of reading garbage or gloo aborting the
-  process; the one exception: a point-to-point payload larger than the receiver's plan,
-  where the plan knows the size, still makes gloo abort. Every rank raises (a permute:
-  every rank that receives). Small reductions are reduced locally from every member's
+  process (a point-to-point payload is cut to its receiver's plan, ``_p2p.py``). Every
+  rank raises (a permute: every rank that receives). Small reductions are reduced locally from every member's
   envelope, in process-group order: bitwise equal on every rank.
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
@@ -48,10 +47,8 @@ carry the data (no extra round trip but before a ring reduction), for CPU tensor
 
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
-small collective (a round trip): point-to-point payloads larger than planned (gloo
-aborts the process where they differ, and only an exchange before the data could
-prevent it), ``all_reduce_async`` (GradSync's buckets, reduced in place, carry no
-envelope), broadcast, a permute's disagreement on a rank that
+small collective (a round trip): ``all_reduce_async`` (GradSync's buckets, reduced in
+place, carry no envelope), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
 all_gather of envelopes, point-to-point envelopes) never meet: they

@@ -151,6 +151,71 @@ def test_a_permute_payload_shorter_than_planned_raises_on_the_receiver(gloo2):
     assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
 
 
+def _larger_than_planned(mesh, case):
+    """A payload larger than its receiver planned (gloo aborts the process on a message
+    larger than its receive): the receiver's plan travels to the sender, which cuts the
+    payload to it. 1.2 MB payloads travel in two pieces, the rest after the plan."""
+    r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
+    try:
+        if case == "permute":  # rank 0 sends 301 floats to rank 1, which planned 300
+            out = spmd.ppermute(torch.ones(301 - r), "sp", [(0, 1)])
+        elif case == "permute, two pieces":
+            out = spmd.ppermute(torch.ones(300_001 - r), "sp", [(0, 1), (1, 0)])
+        elif case == "permute, inline against planned":
+            out = spmd.ppermute(torch.ones(300_000 if r else 3), "sp", [(0, 1), (1, 0)])
+        elif case == "all_gather sizes":
+            out = c.all_gather(torch.ones(300 + r, 2), g, 0, name="all_gather", sizes=(300, 300))
+        else:  # all_to_all with shapes (a halo width that differs)
+            out = c.all_to_all([torch.ones(2, 200 + r)] * 2, g, name="all_to_all",
+                               shapes=[(2, 200), (2, 200)])
+        return ("returned", out)
+    except CommError as e:
+        return ("raised", str(e))
+
+
+LARGER = {
+    "permute": (r"ppermute over axis 'sp': rank 0 passed f32\[301\] but rank 1 passed "
+                r"f32\[300\]", (1,)),
+    "permute, two pieces": (r"ppermute over axis 'sp': rank 0 passed f32\[300001\] but rank 1 "
+                            r"passed f32\[300000\]", (0, 1)),
+    "permute, inline against planned": (r"rank 0 passed f32\[3\] but rank 1 passed "
+                                        r"f32\[300000\]", (0, 1)),
+    "all_gather sizes": (r"expected sizes \[300, 300\] along dim 0, got \[300, 301\]", (0, 1)),
+    "all_to_all shapes": (r"all_to_all over axis 'sp': rank 0 expected f32\[2, 200\] from rank 1 "
+                          r"but it sent f32\[2, 201\]", (0,)),
+}
+
+
+@pytest.mark.gloo
+def test_a_payload_larger_than_planned_raises_on_the_receiver(gloo2):
+    """Default settings: no abort, a CommError on the ranks that receive it, and the
+    process group in step afterwards."""
+    for case, (want, raising) in LARGER.items():
+        got = gloo2.run(_larger_than_planned, (2,), ("sp",), args=(case,), timeout=20)
+        for rank in raising:
+            assert got[rank][0] == "raised" and re.search(want, got[rank][1]), (case, got)
+        assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0], case
+
+
+def _two_pieces(mesh):
+    """Payloads above a piece (1 MiB), exact: the rest follows the first piece."""
+    r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
+    x = torch.arange(600_000, dtype=torch.float32) + r
+    return (spmd.ppermute(x, "sp", [(0, 1), (1, 0)]),
+            c.all_gather(x[:300_001] * 2, g, 0, name="all_gather", sizes=(300_001,) * 2),
+            c.all_to_all([x[:290_000] + 10 * j for j in range(2)], g, name="all_to_all"))
+
+
+@pytest.mark.gloo
+def test_payloads_of_two_pieces_are_exact(gloo2):
+    got = gloo2.run(_two_pieces, (2,), ("sp",), timeout=30)
+    x = torch.arange(600_000, dtype=torch.float32)
+    for r, (pp, ag, a2a) in enumerate(got):
+        assert torch.equal(pp, x + 1 - r)
+        assert all(torch.equal(ag[i], (x[:300_001] + i) * 2) for i in range(2))
+        assert all(torch.equal(a2a[i], x[:290_000] + i + 10 * r) for i in range(2))
+
+
 # -- ranks that agree: exact ------------------------------------------------------------------
 
 def _agreeing(mesh):
