@@ -631,7 +631,7 @@ def _extremes_with_nan(mesh):
             spmd.reduce(block, mesh, P("sp"), op="max", dim=0, sizes=lay),
             spmd.reduce(block, mesh, P("sp"), op="min", dim=0),
             spmd.pmax(torch.tensor([1.0, 2.0]) * (r + 1), "sp"),
-            # 800 bytes: the header path (the small ones above are gathered)
+            # 800 bytes: a ring reduction (the small ones above are gathered)
             spmd.pmax(x.repeat(40), "sp"), spmd.pmin(x.repeat(40), "sp"))
 
 

@@ -40,13 +40,20 @@ class _Checked:
                    else vals.amax(0) if op == "max" else vals.amin(0))
         return red.view(x.shape)  # a new tensor: the buffers serve the next call
 
-    def _envelopes(self, group, rec, seq, name, kind, extra, x, **check) -> Rows:
-        """Every member's envelope of ``x`` (None: no payload), in one all_gather,
-        checked (``check``: ``check_all``'s options): the rows, in process-group order.
-        A collective, not point to point: on a loaded machine each point-to-point wait
-        can cost a scheduler's time slice (milliseconds), a collective's far less."""
-        shape, dtype = (tuple(x.shape), x.dtype) if x is not None else ((), torch.uint8)
-        device = x.device if x is not None else self.mesh.device
+    def _envelopes(self, group, rec, seq, name, kind, extra, x, *, meta=None, meanwhile=None,
+                   **check) -> Rows:
+        """Every member's envelope of ``x`` (None: no payload; ``meta``: the (shape, dtype,
+        device) it announces instead), in one all_gather, checked (``check``:
+        ``check_all``'s options): the rows, in process-group order. ``meanwhile``: local
+        work run while the all_gather is in flight. A collective, not point to point: on
+        a loaded machine each point-to-point wait can cost a scheduler's time slice
+        (milliseconds), a collective's far less."""
+        if x is not None:
+            shape, dtype, device = tuple(x.shape), x.dtype, x.device
+        elif meta is not None:
+            shape, dtype, device = meta
+        else:
+            shape, dtype, device = (), torch.uint8, self.mesh.device
         g = self._rows(kind, extra, shape, dtype, group, name, device)
         for fresh in (False, True):
             if fresh:  # under a torch.func transform, which refuses writes into tensors
@@ -60,7 +67,13 @@ class _Checked:
             except RuntimeError:
                 if fresh:
                     raise
-        self._call(_all_gather_single, name, group, rec, seq, g.out, g.env)
+        try:
+            work = _all_gather_single(g.out, g.env, group=rec.pg, async_op=True)
+        except RuntimeError as e:
+            raise self._failure(e, name, group, rec, seq) from e
+        if meanwhile is not None:
+            meanwhile()
+        self._wait(work, name, group, rec, seq)
         if not torch.equal(g.heads, g.expect):
             heads = _envelope.heads_of(g.heads)
             _envelope.check_all([heads[p] for p in rec.pg_of], group, name, **check)

@@ -14,28 +14,34 @@ size, and read each other's heads:
 
 - all_reduce of at most ``INLINE`` bytes, barrier, all_gather of at most ``INLINE``
   bytes: one all_gather of envelopes (the payload inline); a reduction is reduced
-  locally in process-group order (bitwise equal on every rank).
+  locally in process-group order (bitwise equal on every rank). Larger reductions and
+  reduce_scatter: the same all_gather of envelopes (no payload), then gloo's ring
+  reduction, started only where they agree (reduce_scatter's envelope announces the
+  chunks' total element count; ``EXTRA`` holds the op and a hash of the chunk shapes).
 - all_gather of more, all_to_all, permute: point to point, tagged with the call number
   (calls in flight together never match each other's messages). A sender sends each
   receiver its envelope (the payload inline where it fits) and, where it does not fit,
-  the payload right after it. Where this rank's plan knows what arrives (all_gather with
-  ``sizes``, permute, all_to_all with ``shapes``) the payload's receive is posted with
-  the envelope's, sized by the plan (a receive posted after its envelope arrived is
-  gloo's slow path: milliseconds on a loaded machine): a payload smaller than planned
-  arrives and its envelope says so; a larger one makes gloo abort the process, which
-  only ``SPMD_VALIDATE=1`` prevents. Where the plan does not know (all_to_all without
-  ``shapes``), the payload is received after its envelope, of the size the envelope
-  announced: nothing can abort. all_gather and all_to_all ranks receive from every
+  the payload right after it, in at most two pieces. Where this rank's plan knows what
+  arrives (all_gather with ``sizes``, permute, all_to_all with ``shapes``) the
+  payload's receives are posted with the envelope's (a receive posted after its
+  envelope arrived is gloo's slow path: milliseconds on a loaded machine), and the plan
+  travels to the sender, which never sends more than a receive holds (``_p2p.py``):
+  a payload of another size than planned arrives cut or short, and its envelope says
+  so. Where the plan does not know (all_to_all without ``shapes``), the payload is
+  received after its envelope, of the size the envelope announced. Nothing can abort
+  the process. all_gather and all_to_all ranks receive from every
   other member, so every rank reads every head: every rank raises. A permute's error
   is raised by the ranks that receive (those that would have received garbage); a rank
   that only sends does not hear of it.
 
-Calls of different transports (an all_gather of envelopes against a point-to-point one,
-or against a ring reduction of ``_header.py``) never meet: they time out, and the
+Calls of different transports (an all_gather of envelopes against a point-to-point one)
+never meet: they time out, and the
 timeout names the call each other rank waits in (``_groups.py``).
 
-No extra round trip: the head travels in the message that would carry the data anyway
-(the payload of a large transfer follows its envelope without waiting for an answer).
+No extra round trip but for the ring reductions: the head travels in the message that
+would carry the data anyway (the payload of a large transfer follows its envelope without
+waiting for an answer); a ring reduction's envelopes are one small all_gather before it
+(the copy of the payload is made while it is in flight).
 """
 from __future__ import annotations
 
@@ -66,8 +72,11 @@ def head_of(kind: str, seq: int, extra: int, shape, dtype: torch.dtype, name: st
 
 def tag_of(seq: int) -> int:
     """The point-to-point tag of call ``seq``: calls in flight together never match each
-    other's messages (0 is left to scatter's pieces)."""
-    return 1 + seq % (1 << 30)
+    other's messages (0 is left to scatter's pieces; ``PLAN_TAG`` and above to plans)."""
+    return 1 + seq % (PLAN_TAG - 1)
+
+
+PLAN_TAG = 1 << 29  # added to a call's tag for its plans (_p2p.py): never an envelope's
 
 
 def pack(head: list[int], payload: torch.Tensor | None, device) -> torch.Tensor:
@@ -134,7 +143,8 @@ def _order(name: str, group: Group, ra: int, ha: list[int], rb: int, hb: list[in
             f"#{hb[SEQ]}: they ran different numbers of collectives on it before this "
             f"{_kind(ha)}; every rank must run the same collectives in the same order",
             op=name, axes=group.axes)
-    if ha[EXTRA] != hb[EXTRA]:
+    low = _OPCODES["reduce_scatter"] == ha[KIND]  # the chunk shapes' hash: compared last
+    if (ha[EXTRA] & 0xFF if low else ha[EXTRA]) != (hb[EXTRA] & 0xFF if low else hb[EXTRA]):
         label, a, b = _extra(_kind(ha), ha[EXTRA], hb[EXTRA])
         return CommError(f"{where}: rank {ra} passed {label} {a} but rank {rb} passed {label} "
                          f"{b}; every rank must pass the same {label}", op=name, axes=group.axes)
@@ -166,6 +176,12 @@ def check_all(heads: list[list[int]], group: Group, name: str, *, skip_dim: int 
                 f"{ranks[i]} passed {describe(h)}; every rank must pass the same dtype and "
                 f"shape" + (f" (except along dim {skip_dim})" if skip_dim is not None else ""),
                 op=name, axes=group.axes)
+    for i, h in enumerate(heads[1:], 1):
+        if h[EXTRA] != h0[EXTRA]:  # reduce_scatter's chunk shapes, the total alike
+            label, a, b = _extra(_kind(h0), h0[EXTRA], h[EXTRA])
+            raise CommError(f"{name} over {_axes(group)}: rank {ranks[0]} passed {label} {a} "
+                            f"but rank {ranks[i]} passed {label} {b}; every rank must pass "
+                            f"the same {label}", op=name, axes=group.axes)
     if sizes is not None:
         got = tuple(h[ROW + 3 + skip_dim] for h in heads)
         if got != sizes:

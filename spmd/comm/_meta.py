@@ -78,6 +78,21 @@ def _unreducible(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return flat
 
 
+def wire_op(op: str, dtype: torch.dtype) -> str:
+    """The op on the wire: bool sums are logical or (max); min is max of reversed values
+    (``reverse_``), so that NaN handling needs one flag (``TorchComm.all_reduce``)."""
+    if dtype == torch.bool and op == "sum":
+        return "max"
+    return "sum" if op == "sum" else "max"
+
+
+def reverse_(t: torch.Tensor) -> torch.Tensor:
+    """Reverse the order of ``t``'s values in place (its own inverse): min = rev(max(rev))."""
+    if t.is_floating_point():
+        return t.neg_()
+    return t.bitwise_not_()
+
+
 def _norm_dim(x: torch.Tensor, dim: int, name: str) -> int:
     if not -x.ndim <= dim < max(x.ndim, 1) or x.ndim == 0:
         raise SpecError(f"{name}: dim {dim} is out of range for {shape_str(x.shape, x.dtype)}")
@@ -125,8 +140,10 @@ def _check_rows(rows: list[list[int]], group: Group, name: str, *, skip_dim=None
 
 
 def _extra(op: str, a: int, b: int) -> tuple[str, object, object]:
+    if op == "reduce_scatter" and a & 0xFF == b & 0xFF:  # the chunk shapes' hash differs
+        return "chunk shapes", "one set", "another"
     if op in ("all_reduce", "reduce_scatter"):
-        return "reduction op", repr(REDUCE_OPS[a]), repr(REDUCE_OPS[b])
+        return "reduction op", repr(REDUCE_OPS[a & 0xFF]), repr(REDUCE_OPS[b & 0xFF])
     if op == "all_gather":
         return "dim", a, b
     if op in ("broadcast", "scatter"):
@@ -142,14 +159,6 @@ def _plans_disagree(name: str, group: Group, rank: int, want: list[int], src: in
                      f"from rank {src} but it {verb} {_describe_row(sent)}; the ranks' plans "
                      f"disagree (an argument that differs from rank to rank, e.g. {example})"
                      f"{tail}", op=name, axes=group.axes)
-
-
-def _mismatch(name: str, group: Group, head) -> str:
-    return (f"{name} over {_axes(group)}: the ranks did not all call it alike: rank "
-            f"{group.rank} called {head.what}, and the header every rank sends with its data "
-            f"says another rank called it with a different reduction op, dtype or shape. "
-            f"The result would be garbage, so every rank raises; run with SPMD_VALIDATE=1 to "
-            f"have the differing ranks named")
 
 
 def _axes(group: Group) -> str:

@@ -19,25 +19,23 @@ Same semantics as ``spmd/comm/threads.py``, on process groups:
   unusable (the transfer is still pending): tear it down.
 
 What the ranks must agree on is checked with default settings, in the messages that
-carry the data (no extra round trip), for CPU tensors:
+carry the data (no extra round trip but before a ring reduction), for CPU tensors:
 
-- all_gather, all_to_all, permute, all_reduce of at most 512 bytes, barrier: an
-  envelope (``_envelope.py``) heads every transfer: the collective, the call's number on
-  its group, its argument (reduction op, dim, pairs), dtype, shape and byte count. Small
-  ones (at most 512 bytes: reductions, barriers, all_gathers) are one all_gather of
-  envelopes, the payload inline (all_gather without ``sizes``: a second all_gather of
-  the payloads where one did not fit, sized from the checked envelopes); larger
-  all_gathers, all_to_alls and permutes go point to point, envelope first
-  (``_envelope.py`` says when the payload's receive is posted). Ranks that disagree
-  about anything, element counts included, raise a ``CommError`` naming the op, the
-  ranks and what differs, instead of reading garbage or gloo aborting the process; the
-  one exception: a point-to-point payload larger than the receiver's plan, where the
-  plan knows the size, still makes gloo abort. Every rank raises (a permute: every rank
-  that receives). Small reductions are reduced locally from every member's envelope,
-  in process-group order: bitwise equal on every rank.
-- all_reduce above 512 bytes and reduce_scatter: gloo's ring reductions, with a header
-  reduced along with the data (``_header.py``): op, dtype and shape differences raise
-  on every rank.
+- every collective but broadcast and scatter: an envelope (``_envelope.py``) heads
+  every transfer: the collective, the call's number on its group, its argument
+  (reduction op, dim, pairs), dtype, shape and byte count. Small ones (at most 512
+  bytes: reductions, barriers, all_gathers) are one all_gather of envelopes, the payload
+  inline (all_gather without ``sizes``: a second all_gather of the payloads where one did
+  not fit, sized from the checked envelopes); larger reductions and reduce_scatter
+  exchange their envelopes the same way and start gloo's ring reduction only once they
+  agree (one more small collective: gloo aborts the process on a ring reduction whose
+  sizes differ); larger all_gathers, all_to_alls and permutes go point to point,
+  envelope first (``_envelope.py`` says when the payload's receive is posted). Ranks
+  that disagree about anything, element counts included, raise a ``CommError`` naming
+  the op, the ranks and what differs, instead of reading garbage or gloo aborting the
+  process (a point-to-point payload is cut to its receiver's plan, ``_p2p.py``). Every
+  rank raises (a permute: every rank that receives). Small reductions are reduced locally from every member's
+  envelope, in process-group order: bitwise equal on every rank.
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB
   that both sides derive from the shape: the source reads its chunks in place (strided
   ones staged piece by piece) and sends nothing to itself; receivers receive straight
@@ -49,22 +47,18 @@ carry the data (no extra round trip), for CPU tensors:
 
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
-small collective (a round trip): element counts of the ring reductions (all_reduce
-above 512 bytes, reduce_scatter) and point-to-point payloads larger than planned (gloo
-aborts the process where they differ, and only an exchange before the data could
-prevent it), ``all_reduce_async`` (GradSync's buckets,
-reduced in place, carry no header), broadcast, a permute's disagreement on a rank that
+small collective (a round trip): ``all_reduce_async`` (GradSync's buckets, reduced in
+place, carry no envelope), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
-all_gather of envelopes, point-to-point envelopes, a ring reduction) never meet: they
+all_gather of envelopes, point-to-point envelopes) never meet: they
 time out, each naming the call the other waits in. ``SPMD_VALIDATE=0`` turns every
 check off (the bare collectives).
 
 This module holds the collectives; ``_groups.py`` the process groups and bounded waits,
 ``_meta.py`` the metadata rows and their errors, ``_envelope.py`` the fingerprint,
 ``_checked.py`` the collectives' paths in envelopes and ``_p2p.py`` their
-point-to-point transfers, ``_header.py`` the ring
-reductions' header, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
+point-to-point transfers, ``_validate.py`` the ``SPMD_VALIDATE`` round trips and ``_work.py``
 the async handle.
 """
 from __future__ import annotations
@@ -84,14 +78,14 @@ import torch.distributed as dist
 from ..core._format import shape_str
 from ..core.errors import CommError, SpecError
 from ..core.mesh import Group, Mesh
-from . import _envelope, _header
+from . import _envelope
 from ._checked import _Checked
 from ._groups import _PG, _ProcessGroups, _Progress
-from ._header import wire_op
-from ._meta import (_DCODE, _DTYPES, _MAXDIM, _ROP_CODE, _ROPS, _ROW,
+from ._meta import (_MAXDIM, _ROP_CODE, _ROPS, _ROW,
                     _all_gather_single, _axes, _bytes, _check_rows, _copy, _dtype,
-                    _mismatch, _norm_dim, _numel, _piece_bytes, _plans_disagree,
-                    _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible)
+                    _norm_dim, _numel, _piece_bytes, _plans_disagree,
+                    _reduce_scatter_single, _reducible, _row, _row_of, _rop, _unreducible,
+                    reverse_, wire_op)
 from ._p2p import _Exchange
 from ._validate import _Validation
 from ._work import _TorchWork
@@ -114,8 +108,9 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
 
     Created by ``Mesh.comm`` for ``backend="torch"``; needs an initialised process group
     covering the mesh. Per-call cost over raw torch.distributed: one copy of the input
-    (never modified in place), a dict lookup and the fingerprint's envelope or header
-    (see the module docstring); no extra collective unless validation is on.
+    (never modified in place), a dict lookup and the fingerprint's envelope (see the
+    module docstring); one more small collective before a ring reduction (all_reduce
+    above 512 bytes, reduce_scatter), and before every collective under validation.
     """
 
     def __init__(self, mesh: Mesh):
@@ -144,46 +139,50 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         seq = self._enter(rec)
         if self.validate:
             self._validate(rec, group, seq, "all_reduce", _ROP_CODE[op], [x], name)
-        if (self._checked(x.device) and x.numel() * x.element_size() <= _envelope.INLINE
-                and x.ndim <= _MAXDIM):
+        checked = self._checked(x.device) and x.ndim <= _MAXDIM
+        if checked and x.numel() * x.element_size() <= _envelope.INLINE:
             return self._gathered(x, op, group, rec, seq, name)
-        head = self._header(op, x.dtype, tuple(x.shape), group.size, x.device)
         wop = wire_op(op, x.dtype)
         extreme = wop == "max" and x.is_floating_point()
-        # One buffer: [header | NaN flag (no header) | the payload as the wire reduces it]
-        lead = _header.SIZE if head is not None else int(extreme)
-        flag = _header.FLAG if head is not None else 0
+        # One buffer: [NaN flag (float max/min) | the payload as the wire reduces it]
+        lead = int(extreme)
         wire = _reducible(torch.empty(0, dtype=x.dtype, device="meta")).dtype
         per = 2 if x.dtype.is_complex else 1
         buf = torch.empty(lead + per * x.numel(), dtype=wire, device=x.device)
         body = buf[lead:]
         vals = _unreducible(body, x.dtype).view(x.shape)
-        vals.copy_(x.detach())
-        if head is not None:
-            buf[:lead].copy_(head.send)
-        if op == "min":
-            _header.reverse_(body)
-        nan = None
-        if extreme:
-            # NaN wins, as in torch.amax (gloo's and NCCL's max drop it): it travels as
-            # max's identity and the flag says some rank holds one; only then does a
-            # second all-reduce mark where.
-            nan = torch.isnan(body)
-            if bool(nan.any()):
-                body.masked_fill_(nan, -math.inf)
-                buf[flag] = 1
-            elif head is None:
-                buf[flag] = 0
+        nan: list = [None]
+
+        def fill() -> None:
+            vals.copy_(x.detach())
+            if op == "min":
+                reverse_(body)
+            if extreme:
+                # NaN wins, as in torch.amax (gloo's and NCCL's max drop it): it travels
+                # as max's identity and the flag says some rank holds one; only then does
+                # a second all-reduce mark where.
+                nan[0] = torch.isnan(body)
+                has = bool(nan[0].any())
+                if has:
+                    body.masked_fill_(nan[0], -math.inf)
+                buf[0] = int(has)
+
+        if checked:
+            # Agreed first (kind, call number, op, dtype, shape: element counts included),
+            # in one all_gather of envelopes, the copy made while it is in flight: gloo
+            # aborts the process on a ring reduction whose sizes differ.
+            self._envelopes(group, rec, seq, name, "all_reduce", _ROP_CODE[op], None,
+                            meta=(tuple(x.shape), x.dtype, x.device), meanwhile=fill)
+        else:
+            fill()
         self._call(dist.all_reduce, name, group, rec, seq, buf, op=_ROPS[wop])
-        if head is not None and not head.ok(buf[:lead]):
-            raise CommError(_mismatch(name, group, head), op=name, axes=group.axes)
-        if extreme and buf[flag].item() != 0:  # the same on every rank: all take this branch
-            where = nan.to(torch.uint8)
+        if extreme and buf[0].item() != 0:  # the same on every rank: all take this branch
+            where = nan[0].to(torch.uint8)
             seq = self._enter(rec)
             self._call(dist.all_reduce, name, group, rec, seq, where, op=_ROPS["max"])
             body.masked_fill_(where.bool(), math.nan)
         if op == "min":
-            _header.reverse_(body)
+            reverse_(body)
         return vals
 
     def _checked(self, device: torch.device) -> bool:
@@ -191,13 +190,6 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         accelerator would synchronise the host on every call), not where SPMD_VALIDATE=1
         checked it all already, and not under SPMD_VALIDATE=0."""
         return not self.validate and self.checks and device.type == "cpu"
-
-    def _header(self, op, dtype, shapes, n, device):
-        """The always-on check's header (``_header.py``), where ``_checked``."""
-        if not self._checked(device):
-            return None
-        wire = _reducible(torch.empty(0, dtype=dtype, device="meta")).dtype
-        return _header.header_for(op, dtype, wire, shapes, n, _DCODE.get(dtype, len(_DTYPES)))
 
     def all_reduce_async(self, x, op, group, *, name):
         # In place on the caller's buffer (no copy: this is the bucket path); the wait,
@@ -298,35 +290,35 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         if self.validate:
             self._validate(rec, group, seq, "reduce_scatter", _ROP_CODE[op], chunks, name,
                            count=len(chunks))
+        if self._checked(mine.device) and all(c.ndim <= _MAXDIM for c in chunks):
+            # Agreed first, in one all_gather of envelopes (gloo aborts the process on a
+            # reduce_scatter whose sizes differ): op and the chunks' shapes (a hash), and
+            # as the envelope's tensor their total element count and dtype.
+            shapes = tuple(tuple(c.shape) for c in chunks)
+            extra = _ROP_CODE[op] | (zlib.crc32(repr(shapes).encode()) & 0xFFFFFF) << 8
+            self._envelopes(group, rec, seq, name, "reduce_scatter", extra, None,
+                            meta=((sum(c.numel() for c in chunks),), mine.dtype, mine.device))
         flat = [_reducible(chunks[i].detach().contiguous()).view(-1) for i in rec.idx_of]
         lens = [f.numel() for f in flat]
         m = max(lens)
         k = flat[rec.pg_of[group.index]].numel()
         if m == 0:
             return mine.new_empty(mine.shape)
-        head = self._header(op, mine.dtype, tuple(tuple(c.shape) for c in chunks), n,
-                            mine.device)
-        lead = 0 if head is None else _header.SIZE
-        if head is None and all(v == m for v in lens):
+        if all(v == m for v in lens):
             inp = torch.cat(flat)
         else:
-            # Each rank's segment carries the header, so every rank checks it.
-            rows = flat[0].new_zeros(n, lead + m)
+            inp = flat[0].new_zeros(n, m)
             for p, f in enumerate(flat):
-                rows[p, lead:lead + f.numel()].copy_(f)
-                if head is not None:
-                    rows[p, :lead].copy_(head.send)
-            inp = rows.view(-1)
+                inp[p, :f.numel()].copy_(f)
+            inp = inp.view(-1)
         if op == "min":
-            _header.reverse_(inp[lead:] if head is None else inp.view(n, -1)[:, lead:])
-        out = inp.new_empty(lead + m)
+            reverse_(inp)
+        out = inp.new_empty(m)
         self._call(_reduce_scatter_single, name, group, rec, seq, out, inp,
                    op=_ROPS[wire_op(op, mine.dtype)])
-        if head is not None and not head.ok(out[:lead]):
-            raise CommError(_mismatch(name, group, head), op=name, axes=group.axes)
-        res = out[lead:lead + k]
+        res = out[:k]
         if op == "min":
-            _header.reverse_(res)
+            reverse_(res)
         return _unreducible(res, mine.dtype).view(mine.shape)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):

@@ -111,12 +111,23 @@ def comm_stats() -> Iterator[CommStats]:
         yield stats
 
 
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Collectives in the block are not counted: spmd's own agreement checks (like the
+    envelopes a collective carries), not the program's communication."""
+    _local.quiet = getattr(_local, "quiet", 0) + 1
+    try:
+        yield
+    finally:
+        _local.quiet -= 1
+
+
 def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None,
           src=None) -> list | None:
     """Called by both comm backends at every collective (cheap when nothing is open):
     the rules for what a rank sends, in one place. Returns the token ``waited`` takes
     (None when nothing is open)."""
-    if not _open:
+    if not _open or getattr(_local, "quiet", 0):
         return None
     n, me = group.size, group.index
     payload = 0 if x is None else x.nbytes

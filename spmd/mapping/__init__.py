@@ -25,7 +25,7 @@ import torch
 
 from ..collectives._anchor import collect_anchors
 from ..collectives.compiled import prepare
-from ..comm import validating
+from ..comm import comm_of, validating
 from ..comm.rank_threads import run_on_threads
 from ..core import _tree
 from ..core._context import (
@@ -44,7 +44,7 @@ from ..core.mesh import Mesh, check_mesh
 from ..core.provenance import mark
 from ..core.spec import P
 from ..transforms.sharded import Sharded
-from ._agreement import _check_same_across
+from ._agreement import _check_call_agrees, _check_same_across
 from ._graph import _Node, _next_node_number
 from ._state import _State, _layout_for, _leaf_key, _shard_of, _sharded_layout
 
@@ -246,6 +246,13 @@ class _ShardMap:
                   for r in mine if any(self.mesh.axis_index(a, r) for a in lay.replicated_axes)}
 
         check = validating(self.mesh)
+        if per_rank and self.mesh.backend == "torch" and comm_of(self.mesh).checks:
+            needs = [(x.requires_grad if isinstance(x, torch.Tensor) else
+                      isinstance(x, Sharded) and x.shards[self.mesh.rank].requires_grad)
+                     for x in leaves]
+            _check_call_agrees(self.mesh, self.in_specs, self.out_specs, grad_on, needs,
+                               lambda: [_tree.keystr("args", p) for p in optree.tree_paths(
+                                   args, none_is_leaf=True, namespace="spmd")])
         if check and per_rank and self.mesh.backend == "torch":
             self._check_same_globals(leaves, args)
 

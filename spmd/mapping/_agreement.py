@@ -3,11 +3,13 @@ checked by fingerprint across the mesh."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..comm import comm_of
+from ..comm.stats import uncounted
 from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..transforms.sharded import Sharded
@@ -62,6 +64,74 @@ def _check_same_across(mesh: Mesh, named: list[tuple[str, Any]], what: str) -> N
                 f"keeps its shard, so copies "
                 f"that differ mix into a wrong result: give every rank the same value (seed "
                 f"the initialisation alike, or broadcast it from one rank)")
+
+
+_RG_WORDS = 2  # requires_grad of the first 2 * 62 input leaves, bit by bit; a hash beyond
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def _check_call_agrees(mesh: Mesh, in_specs: Any, out_specs: Any, grad_on: bool,
+                       needs_grad: list[bool], paths: Callable[[], list[str]]) -> None:
+    """On processes, with default settings: every rank calls ``shard_map`` with the same
+    ``in_specs`` and ``out_specs``, in the same grad mode, with the same inputs requiring
+    gradients. Ranks that differ would run different collectives (an output gathered on
+    one rank and not on another, a backward on one rank only) and meet nothing but a
+    timeout; one all_gather of a few int64 before the body runs makes it a SpecError on
+    every rank, naming what differs and the ranks.
+
+    ``needs_grad``: per input leaf (``paths()`` names them), whether it requires grad."""
+    group = mesh.group(mesh.axis_names, mesh.rank)
+    bits = [0] * _RG_WORDS
+    for i, g in enumerate(needs_grad[:62 * _RG_WORDS]):
+        bits[i // 62] |= int(g) << (i % 62)
+    row = [_crc(repr(in_specs)), _crc(repr(out_specs)), int(grad_on), len(needs_grad), *bits,
+           _crc(repr(needs_grad[62 * _RG_WORDS:]))]
+    mine = torch.tensor([row], dtype=torch.int64, device=mesh.device)
+    with uncounted():  # an agreement check, not the program's communication
+        rows = [t[0].tolist() for t in comm_of(mesh).all_gather(
+            mine, group, 0, name="shard_map check", sizes=(1,) * group.size)]
+    ranks = group.ranks
+
+    def differ(k: int) -> list[int]:
+        return [ranks[i] for i, r in enumerate(rows) if r[k] != rows[0][k]]
+
+    def who(d: list[int]) -> str:
+        return (f"rank {ranks[0]} and rank{'s' * (len(d) > 1)} {', '.join(map(str, d))}")
+
+    for k, label, value in ((0, "in_specs", in_specs), (1, "out_specs", out_specs)):
+        d = differ(k)
+        if d:
+            raise SpecError(f"shard_map: {label} differ between {who(d)} (rank {mesh.rank} "
+                            f"passed {value!r}); every rank must pass the same {label}: they "
+                            f"decide which collectives run")
+    d = differ(2)
+    if d:
+        modes = ", ".join(f"rank {ranks[i]}: {'on' if r[2] else 'off'}"
+                          for i, r in enumerate(rows))
+        raise SpecError(f"shard_map: grad mode differs between {who(d)} ({modes}); call it "
+                        f"under torch.no_grad() on every rank or on none: the backward's "
+                        f"collectives run only where gradients are needed")
+    if differ(3):
+        return  # another argument structure: the layouts' own checks name it
+    for k in range(4, 5 + _RG_WORDS):
+        d = differ(k)
+        if not d:
+            continue
+        j, other = 0, None
+        if k < 4 + _RG_WORDS:
+            first = rows[0][k] ^ next(r[k] for r in rows if r[k] != rows[0][k])
+            j = 62 * (k - 4) + (first & -first).bit_length() - 1
+        where = paths()[j] if k < 4 + _RG_WORDS else f"an input after the first {62 * _RG_WORDS}"
+        if k < 4 + _RG_WORDS:
+            other = [ranks[i] for i, r in enumerate(rows) if (r[k] >> (j - 62 * (k - 4))) & 1]
+        have = (f" (it does on rank{'s' * (len(other) > 1)} {', '.join(map(str, other))} "
+                f"only)" if other is not None else "")
+        raise SpecError(f"shard_map: whether {where} requires grad differs between {who(d)}"
+                        f"{have}; every rank must pass inputs that require grad alike: the "
+                        f"backward's collectives run only where gradients are needed")
 
 
 def _same_py(a: Any, b: Any) -> bool:

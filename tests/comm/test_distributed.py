@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import time
 
 import pytest
@@ -45,7 +46,7 @@ def _suite(mesh, axes):
         v = torch.tensor([lo, hi, r, 3 - r], dtype=dt)
         out[f"ar_{dt}"] = [c.all_reduce(v, op, g, name="p" + op) for op in ("max", "min")]
         out[f"ar_{dt}_sum"] = c.all_reduce(v[2:], "sum", g, name="psum")
-    # Above 512 bytes reductions take the header path, not the gathered one.
+    # Above 512 bytes reductions are ring reductions, after their envelopes.
     big = torch.arange(300.0).view(3, 100) * (r + 1) - 7 * r
     for op in ("sum", "max", "min"):
         out["ar_big_" + op] = c.all_reduce(big.t(), op, g, name="p" + op)
@@ -304,9 +305,9 @@ UNALIKE_2 = [
 
 def test_unalike_reductions_raise_on_every_rank_without_validation(gloo2):
     """Without SPMD_VALIDATE, a reduction called with another op, dtype or shape on
-    another rank must not return garbage (or, psum against pmax, abort the process). Small ones (<= 512 bytes) are gathered with their metadata: the same
-    error, naming both calls, on every rank. Larger ones carry a header: every rank
-    raises, naming its own call."""
+    another rank must not return garbage (or, psum against pmax, abort the process).
+    Every reduction first exchanges its envelope (small ones with the payload inline):
+    the same error, naming both calls, on every rank, at any size."""
     small = gloo2.run(_unalike, (2,), ("sp",), args=(UNALIKE_2,))
     large = gloo2.run(_unalike, (2,), ("sp",), args=(UNALIKE_2, True, 200))
     for got in (small, large):
@@ -314,19 +315,12 @@ def test_unalike_reductions_raise_on_every_rank_without_validation(gloo2):
             assert after == 1.0  # the process group is still in step
             for case, err in zip(UNALIKE_2, errs):
                 assert err is not None, f"rank {rank} returned for {case}"
-    for case, e0, e1 in zip(UNALIKE_2, small[0][0], small[1][0]):
-        if isinstance(case[0][2][0], tuple):  # reduce_scatter: always the header
-            assert "did not all call it alike" in e0, e0
-            continue
-        # The same message on both (but for the op's name, e.g. psum against pmax).
-        assert e0.split(" ", 1)[1] == e1.split(" ", 1)[1], (e0, e1)
-        assert "rank 0 passed" in e0 and "rank 1 passed" in e0, e0
-        assert "every rank must pass the same" in e0, e0
-    for rank, (errs, _) in enumerate(large):
-        for case, err in zip(UNALIKE_2, errs):
-            assert "did not all call it alike" in err and "SPMD_VALIDATE=1" in err, err
-            assert f"rank {rank} called '{case[rank][0]}'" in err, err
-    # Alike calls pass (the header reads back as expected on both ranks).
+        for case, e0, e1 in zip(UNALIKE_2, got[0][0], got[1][0]):
+            # The same message on both (but for the op's name, e.g. psum against pmax).
+            assert e0.split(" ", 1)[1] == e1.split(" ", 1)[1], (e0, e1)
+            assert "rank 0 passed" in e0 and "rank 1 passed" in e0, e0
+            assert "every rank must pass the same" in e0, e0
+    # Alike calls pass.
     same = [[c[0], c[0]] for c in UNALIKE_2] + [[c[1], c[1]] for c in UNALIKE_2]
     for scale in (1, 200):
         errs = gloo2.run(_unalike, (2,), ("sp",), args=(same, True, scale))
@@ -337,24 +331,37 @@ def test_unalike_reductions_raise_on_every_rank_without_validation(gloo2):
 
 
 def test_one_pmin_among_four_pmaxes_raises_everywhere(gloo4):
-    """Had min travelled as min, max(min(h, h_min), h) == h would hide it from the max
-    ranks of a chain; min travels as max of reversed values."""
     calls = [[("max", _F32, (8,)), ("min", _F32, (8,)), ("max", _F32, (8,)),
               ("max", _F32, (8,))]]
-    got = gloo4.run(_unalike, (4,), ("sp",), args=(calls, True, 200))  # the header path
+    got = gloo4.run(_unalike, (4,), ("sp",), args=(calls, True, 200))  # a ring reduction
     assert all(errs[0] is not None and after == 6.0 for errs, after in got), got
 
 
-def test_unequal_element_counts_small_raise_large_abort_with_a_hint(gloo2):
-    """Small reductions are gathered whole, so differing element counts raise the same
-    CommError everywhere. What the header cannot catch: gloo aborts a process whose
-    reduction receives more data than it expects, before any result exists; the
-    launcher says what it means."""
-    with pytest.raises(CommError, match=r"rank 0 passed f32\[4\] but rank 1 passed f32\[5\]"):
-        gloo2.run(_counts_differ, (2,), ("sp",), args=(4,))
-    with pytest.raises(RuntimeError, match=r"signal SIGABRT.*different element counts.*"
-                       r"SPMD_VALIDATE=1"):
-        launch(_counts_differ, (2,), ("sp",), args=(400,), backend="gloo", timeout=30)
+def _counts_scatter(mesh, n):
+    return comm_of(mesh).reduce_scatter([torch.ones(n + mesh.rank), torch.ones(n)], "sum",
+                                        mesh.group("sp"), name="psum_scatter")
+
+
+@pytest.mark.parametrize("n", [4, 400, 1 << 18])
+def test_unequal_element_counts_raise_on_every_rank(gloo2, n):
+    """Differing element counts never reach gloo (which aborts the process on them): a
+    reduction's envelope is agreed before its ring reduction starts, at every size (1 MiB
+    too) and for reduce_scatter; the process group stays in step."""
+    for fn, what in ((_counts_differ, "psum"), (_counts_scatter, "psum_scatter")):
+        got = gloo2.run(_each_error, (2,), ("sp",), args=(fn, n))
+        for err in got:
+            assert err is not None and re.search(
+                rf"{what} over axis 'sp': rank 0 passed f32\[{n * (1 + (what != 'psum'))}\] "
+                rf"but rank 1 passed f32\[{n * (1 + (what != 'psum')) + 1}\]; every rank must "
+                rf"pass the same dtype and shape", err), err
+        assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+def _each_error(mesh, fn, n):
+    try:
+        fn(mesh, n)
+    except CommError as e:
+        return str(e)
 
 
 def test_timeout_names_missing_rank_and_pool_recovers(gloo2):

@@ -67,6 +67,28 @@ CASES = {
     "psum counts": (
         lambda m: spmd.psum(torch.ones(100 + m.rank), "sp"),
         r"psum over axis 'sp': rank 0 passed f32\[100\] but rank 1 passed f32\[101\]"),
+    "psum counts, large": (
+        lambda m: spmd.psum(torch.ones(1000 + m.rank), "sp"),
+        r"psum over axis 'sp': rank 0 passed f32\[1000\] but rank 1 passed f32\[1001\]"),
+    "psum counts, straddling 512 bytes": (
+        lambda m: spmd.psum(torch.ones(1000 if m.rank == 0 else 100), "sp"),
+        r"psum over axis 'sp': rank 0 passed f32\[1000\] but rank 1 passed f32\[100\]"),
+    "psum_scatter counts": (
+        lambda m: spmd.psum_scatter(torch.ones(400 + 2 * m.rank), "sp", tiled=True),
+        # processes name the total of the chunks, threads the first chunk that differs
+        r"psum_scatter over axis 'sp': rank 0 passed f32\[(400|200)\] but rank 1 passed "
+        r"f32\[(402|201)\]"),
+    "psum_scatter chunks": (
+        lambda m: comm_of(m).reduce_scatter(
+            [torch.ones(300 + m.rank), torch.ones(300 - m.rank)], "sum", m.group("sp"),
+            name="psum_scatter"),
+        r"psum_scatter over axis 'sp': rank 0 passed (chunk shapes one set but rank 1 passed "
+        r"chunk shapes another; every rank must pass the same chunk shapes|f32\[300\] but "
+        r"rank 1 passed f32\[301\])"),
+    "pmax against psum, large": (
+        lambda m: (spmd.pmax if m.rank == 0 else spmd.psum)(torch.ones(300), "sp"),
+        r"rank 0 passed reduction op 'max' but rank 1 passed reduction op 'sum'|"
+        r"collective mismatch.*all_reduce\((max|sum)\)"),
     "psum against all_gather": (
         lambda m: (spmd.psum if m.rank == 0 else spmd.all_gather)(torch.ones(3), "sp"),
         r"collective mismatch.*(all_reduce.*all_gather|all_gather.*all_reduce)"),
@@ -129,6 +151,71 @@ def test_a_permute_payload_shorter_than_planned_raises_on_the_receiver(gloo2):
     assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
 
 
+def _larger_than_planned(mesh, case):
+    """A payload larger than its receiver planned (gloo aborts the process on a message
+    larger than its receive): the receiver's plan travels to the sender, which cuts the
+    payload to it. 1.2 MB payloads travel in two pieces, the rest after the plan."""
+    r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
+    try:
+        if case == "permute":  # rank 0 sends 301 floats to rank 1, which planned 300
+            out = spmd.ppermute(torch.ones(301 - r), "sp", [(0, 1)])
+        elif case == "permute, two pieces":
+            out = spmd.ppermute(torch.ones(300_001 - r), "sp", [(0, 1), (1, 0)])
+        elif case == "permute, inline against planned":
+            out = spmd.ppermute(torch.ones(300_000 if r else 3), "sp", [(0, 1), (1, 0)])
+        elif case == "all_gather sizes":
+            out = c.all_gather(torch.ones(300 + r, 2), g, 0, name="all_gather", sizes=(300, 300))
+        else:  # all_to_all with shapes (a halo width that differs)
+            out = c.all_to_all([torch.ones(2, 200 + r)] * 2, g, name="all_to_all",
+                               shapes=[(2, 200), (2, 200)])
+        return ("returned", out)
+    except CommError as e:
+        return ("raised", str(e))
+
+
+LARGER = {
+    "permute": (r"ppermute over axis 'sp': rank 0 passed f32\[301\] but rank 1 passed "
+                r"f32\[300\]", (1,)),
+    "permute, two pieces": (r"ppermute over axis 'sp': rank 0 passed f32\[300001\] but rank 1 "
+                            r"passed f32\[300000\]", (0, 1)),
+    "permute, inline against planned": (r"rank 0 passed f32\[3\] but rank 1 passed "
+                                        r"f32\[300000\]", (0, 1)),
+    "all_gather sizes": (r"expected sizes \[300, 300\] along dim 0, got \[300, 301\]", (0, 1)),
+    "all_to_all shapes": (r"all_to_all over axis 'sp': rank 0 expected f32\[2, 200\] from rank 1 "
+                          r"but it sent f32\[2, 201\]", (0,)),
+}
+
+
+@pytest.mark.gloo
+def test_a_payload_larger_than_planned_raises_on_the_receiver(gloo2):
+    """Default settings: no abort, a CommError on the ranks that receive it, and the
+    process group in step afterwards."""
+    for case, (want, raising) in LARGER.items():
+        got = gloo2.run(_larger_than_planned, (2,), ("sp",), args=(case,), timeout=20)
+        for rank in raising:
+            assert got[rank][0] == "raised" and re.search(want, got[rank][1]), (case, got)
+        assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0], case
+
+
+def _two_pieces(mesh):
+    """Payloads above a piece (1 MiB), exact: the rest follows the first piece."""
+    r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
+    x = torch.arange(600_000, dtype=torch.float32) + r
+    return (spmd.ppermute(x, "sp", [(0, 1), (1, 0)]),
+            c.all_gather(x[:300_001] * 2, g, 0, name="all_gather", sizes=(300_001,) * 2),
+            c.all_to_all([x[:290_000] + 10 * j for j in range(2)], g, name="all_to_all"))
+
+
+@pytest.mark.gloo
+def test_payloads_of_two_pieces_are_exact(gloo2):
+    got = gloo2.run(_two_pieces, (2,), ("sp",), timeout=30)
+    x = torch.arange(600_000, dtype=torch.float32)
+    for r, (pp, ag, a2a) in enumerate(got):
+        assert torch.equal(pp, x + 1 - r)
+        assert all(torch.equal(ag[i], (x[:300_001] + i) * 2) for i in range(2))
+        assert all(torch.equal(a2a[i], x[:290_000] + i + 10 * r) for i in range(2))
+
+
 # -- ranks that agree: exact ------------------------------------------------------------------
 
 def _agreeing(mesh):
@@ -177,7 +264,7 @@ def _out_specs_differ(mesh):
     """Rank 0 gathers the output (split), rank 1 claims it replicated and gathers nothing;
     both then reduce a loss. Rank 0's gather meets rank 1's psum."""
     f = spmd.shard_map(lambda x: x * 2, mesh, P("sp"), P("sp") if mesh.rank == 0 else P())
-    y = f(torch.arange(4.0))
+    f(torch.arange(4.0))
     return spmd.psum(torch.ones(3), "sp")
 
 
@@ -202,41 +289,82 @@ def _each_higher(mesh, case):
         return ("raised", str(e))
 
 
-@pytest.mark.parametrize("backend", ["threads", pytest.param("gloo", marks=pytest.mark.gloo)])
-@pytest.mark.parametrize("case", sorted(HIGHER))
-def test_arguments_that_differ_by_rank_raise_at_the_next_collective(case, backend):
+def test_arguments_that_differ_by_rank_raise_at_the_next_collective_threads():
     """shard_map's out_specs or an input's requires_grad that differ from rank to rank make
-    the ranks run different collectives: the first one that meets another kind of call (or
-    another shape) raises on every rank, naming both."""
-    got = launch(_each_higher, (2,), "sp", backend=backend, args=(case,), timeout=10)
-    for rank, (what, msg) in enumerate(got):
-        assert what == "raised", (rank, msg)
-        assert re.search(r"collective mismatch|passed f32\[\] but rank 1 passed f32\[3\]|"
-                         r"ranks found different", msg), (rank, msg)
+    the rank threads run different collectives: the first one that meets another kind of
+    call (or another shape) raises on every rank, naming both."""
+    for case in sorted(HIGHER):
+        got = launch(_each_higher, (2,), "sp", args=(case,), timeout=10)
+        for rank, (what, msg) in enumerate(got):
+            assert what == "raised", (rank, msg)
+            assert re.search(r"collective mismatch|passed f32\[\] but rank 1 passed f32\[3\]|"
+                             r"ranks found different", msg), (rank, msg)
+
+
+HIGHER_GLOO = {
+    "out_specs": r"shard_map: out_specs differ between rank 0 and rank 1 \(rank {r} passed "
+                 r"P\({spec}\)\); every rank must pass the same out_specs",
+    "requires_grad": r"shard_map: whether args\[0\] requires grad differs between rank 0 and "
+                     r"rank 1 \(it does on rank 0 only\); every rank must pass inputs that "
+                     r"require grad alike",
+}
+
+
+@pytest.mark.gloo
+def test_arguments_that_differ_by_rank_raise_before_the_body_gloo(gloo2):
+    """On processes shard_map exchanges a fingerprint of its specs and of which inputs
+    require grad before the body runs (default settings): a SpecError on every rank,
+    naming what differs and the ranks, instead of a timeout."""
+    for case in sorted(HIGHER):
+        got = gloo2.run(_each_higher, (2,), ("sp",), args=(case,), timeout=10)
+        for rank, (what, msg) in enumerate(got):
+            want = HIGHER_GLOO[case].format(r=rank, spec="'sp'" if rank == 0 else "")
+            assert what == "raised" and re.search(want, msg), (rank, msg)
+        assert gloo2.run(_rank_sum, (2,), ("sp",)) == [1.0, 1.0]
+
+
+def _grad_mode_differs(mesh):
+    f = spmd.shard_map(lambda x: x * 2, mesh, P("sp"), P("sp"))
+    with torch.set_grad_enabled(mesh.rank == 0):
+        try:
+            f(torch.ones(4, requires_grad=True))
+        except spmd.SpecError as e:
+            return str(e)
+
+
+@pytest.mark.gloo
+def test_grad_mode_that_differs_by_rank_raises_before_the_body_gloo(gloo2):
+    for msg in gloo2.run(_grad_mode_differs, (2,), ("sp",), timeout=10):
+        assert msg and "shard_map: grad mode differs between rank 0 and rank 1 (rank 0: on, " \
+            "rank 1: off)" in msg, msg
 
 
 def _calls_differ_large(mesh):
-    """A large psum (a ring reduction) against an all_gather: the calls never meet."""
+    """A large psum (envelopes gathered) against a ppermute (point to point): the calls
+    never meet."""
     x = torch.ones(300)
     try:
-        (spmd.psum if mesh.rank == 0 else spmd.all_gather)(x, "sp")
+        if mesh.rank == 0:
+            spmd.psum(x, "sp")
+        else:
+            spmd.ppermute(x, "sp", [(0, 1), (1, 0)])
     except CommError as e:
         return type(e).__name__, str(e)
 
 
 @pytest.mark.gloo
 def test_calls_that_never_meet_time_out_naming_what_each_rank_waits_in():
-    """The two calls use different transports (a ring all-reduce, point-to-point
+    """The two calls use different transports (an all_gather of envelopes, point-to-point
     envelopes), so neither sees the other's fingerprint: they time out, and the timeout
     names the call the other rank waits in. (The rank that times out later may see its
     connection closed first: then it raises CommAborted.)"""
     got = launch(_calls_differ_large, (2,), "sp", backend="gloo", timeout=4)
     first = [msg for kind, msg in got if kind == "CommTimeout"]
     assert first and all(isinstance(g, tuple) for g in got), got
-    assert any(re.search(r"psum over axis 'sp' timed out .* rank 1 is waiting in all_gather "
+    assert any(re.search(r"psum over axis 'sp' timed out .* rank 1 is waiting in ppermute "
                          r"\(call #0 on this group\) instead: the ranks do not run the same "
                          r"collectives", m) or
-               re.search(r"all_gather over axis 'sp' timed out .* rank 0 is waiting in psum "
+               re.search(r"ppermute over axis 'sp' timed out .* rank 0 is waiting in psum "
                          r"\(call #0 on this group\) instead", m) for m in first), got
 
 
