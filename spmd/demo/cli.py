@@ -124,7 +124,7 @@ def _report(a: argparse.Namespace, sharded: demo.History, single: demo.History,
     ops = ", ".join(f"{op} {f:,}/{b:,}" for op, (f, b) in by_op.items())
     print(f"  by collective (forward/backward, all ranks): {ops}")
     print("  (conv2d: the halo row each 3x3 convolution takes from each neighbour, and in "
-          "backward the halo's gradient sent back; conv2d sizes: the shards' row counts; "
+          "backward the halo's gradient sent back; "
           "psum: the loss; on processes only, shard_map backward: the parameter gradients' "
           "all-reduce, and shard_map backward check: a few int64s by which the ranks check "
           "that they hold the same parameters before that all-reduce)")
