@@ -34,11 +34,13 @@ from torch.overrides import TorchFunctionMode
 from ..core import _context
 from ..core.errors import SpecError
 from . import streams
+from ._shared import _Entry, _flat
+from ._shared import _local as run_local
 
 if TYPE_CHECKING:
     from .interpreter import _Run
 
-__all__ = ["Regions", "converts", "clean", "recomputed_state", "MARKERS"]
+__all__ = ["Regions", "converts", "clean", "recomputed_state", "MARKERS", "backward_hooks_problem"]
 
 _CHECKPOINT_FILE = torch.utils.checkpoint.detach_variable.__code__.co_filename
 _HERE = os.path.abspath(__file__)
@@ -96,10 +98,10 @@ class _Pushed:
     """A non-planning run of ``cfg`` pushed on the thread autograd runs a node on (the
     rank context of the forward pushed too: autograd may use another thread)."""
 
-    __slots__ = ("cfg", "rank", "path", "rng", "streams")
+    __slots__ = ("cfg", "make", "rank", "path", "rng", "streams")
 
     def __init__(self, run: _Run, rng: bool = False):
-        self.cfg = run.cfg
+        self.cfg, self.make = run.cfg, type(run)
         stack = _context._stack()
         self.rank = stack[-1] if stack else None
         self.path = run.paths[-1] if run.paths else run.cfg.name
@@ -112,10 +114,8 @@ class _Pushed:
         self.streams = streams.snapshot(run) if rng and not run.planning else None
 
     def enter(self, *_: Any) -> None:
-        from .interpreter import _local as run_local
-        from .interpreter import _Run
         clean()
-        run = _Run(self.cfg, planning=False)
+        run = self.make(self.cfg, planning=False)
         run.in_backward = True
         run.mode = _Probed(run)
         run.paths.append(self.path)
@@ -153,7 +153,6 @@ class _Pushed:
 
 
 def _restore(saved: tuple) -> None:
-    from .interpreter import _local as run_local
     prev, converting, pushed_rank = saved
     _context.set_converting(converting)
     run_local.run = prev
@@ -309,8 +308,6 @@ class Regions:
     def _global_hooks(self, args: tuple, kwargs: dict) -> None:
         """A tensor that a layer's backward hook watches (torch wraps it in its backward
         hook function): refused once, unless the layer's own hooks already were."""
-        from .hooks import backward_hooks_problem
-        from .interpreter import _Entry, _flat
         for a in _flat(args, kwargs):
             if isinstance(a, torch.Tensor) and a.grad_fn is not None and \
                     a.grad_fn.name() == "BackwardHookFunctionBackward":
@@ -325,7 +322,6 @@ class Regions:
                 return
 
     def _refuse(self, frame: Any, call: str, detail: str) -> None:
-        from .interpreter import _Entry
         run = self.run
         caller = _user_caller(frame)
         line = f" ({os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno})" \
@@ -374,7 +370,6 @@ def _tensors(res: Any):
 def recomputed_state(regions: Regions, changes: list) -> list:
     """The changes (``state.Change``) a checkpoint's recompute makes again, as plan
     refusals for rank threads that share the layers."""
-    from .interpreter import _Entry
     return [_Entry("refused", f"in {c.path}", f"self.{c.attr}",
                    f"{c.what} inside torch.utils.checkpoint, whose recompute in backward "
                    f"updates it again; the rank threads of a threads mesh share the layer and "
@@ -382,3 +377,18 @@ def recomputed_state(regions: Regions, changes: list) -> list:
                    f"checkpointed function, or train on processes (spmd.launch(..., "
                    f"backend='gloo') or torchrun), where each rank updates its own copy as "
                    f"one device does") for c in changes if c.rel in regions.layers]
+
+
+def backward_hooks_problem(module: torch.nn.Module | None) -> str:
+    """Why a layer's backward hooks (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``) would be wrong on shards ('' without any): torch
+    hands them this rank's part of the gradients, outside the conversion."""
+    if module is not None and not (getattr(module, "_backward_hooks", None) or
+                                   getattr(module, "_backward_pre_hooks", None)):
+        return ""
+    return ("has a backward hook (register_full_backward_hook or "
+            "register_full_backward_pre_hook), which torch runs on this rank's part of the "
+            "gradients, outside the conversion: a hook that reduces or clips them would give "
+            "other numbers than on one device; register a tensor hook in the layer's forward "
+            "instead (output.register_hook(fn): convert runs it under the conversion), or "
+            "apply it to the gradients after backward, outside the converted model")

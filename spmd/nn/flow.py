@@ -111,10 +111,20 @@ def example_sizes(shape: Sequence[int], entries: tuple, mesh: Mesh) -> tuple | N
 
 # -- outputs: sizes from the inputs, or as a rule says ------------------------------------------
 
+def _tensors(c: Any) -> list[torch.Tensor]:
+    """The call's tensor arguments, also those inside a list or tuple argument."""
+    out = []
+    for a in list(c.args) + list(c.kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(v for v in a if isinstance(v, torch.Tensor))
+    return out
+
+
 def candidates(c: Any) -> dict[tuple, set]:
     """For every mesh axes tuple splitting a dim of the call's tensor arguments: the sizes
     those dims have (``None`` in the set where one is not known)."""
-    from .rules._base import _tensors
     out: dict[tuple, set] = {}
     for t in _tensors(c):
         e = c.ent(t)

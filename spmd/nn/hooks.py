@@ -16,7 +16,8 @@ import torch
 
 from ..core.errors import SpecError
 from ._tags import entries_of, set_tag, spec_of, tag_of
-from .backward import MARKERS, _Pushed
+from ._shared import _Entry
+from .backward import MARKERS, _Pushed, backward_hooks_problem
 
 if TYPE_CHECKING:
     from .interpreter import _Run
@@ -110,27 +111,11 @@ def tensor_hook(c: Any) -> Any:
         else:
             problem = _hook_problem(hook, out)
             if problem:
-                from .interpreter import _Entry
                 run.plan.entries.append(_Entry("refused", where, "x.register_hook(fn):",
                                                "fn " + problem))
     args = (c.args[0], hook) + tuple(c.args[2:])
     kwargs = {k: v for k, v in c.kwargs.items() if k != "hook"}
     return c.call(args=args, kwargs=kwargs)
-
-
-def backward_hooks_problem(module: torch.nn.Module | None) -> str:
-    """Why a layer's backward hooks (``register_full_backward_hook``,
-    ``register_full_backward_pre_hook``) would be wrong on shards ('' without any): torch
-    hands them this rank's part of the gradients, outside the conversion."""
-    if module is not None and not (getattr(module, "_backward_hooks", None) or
-                                   getattr(module, "_backward_pre_hooks", None)):
-        return ""
-    return ("has a backward hook (register_full_backward_hook or "
-            "register_full_backward_pre_hook), which torch runs on this rank's part of the "
-            "gradients, outside the conversion: a hook that reduces or clips them would give "
-            "other numbers than on one device; register a tensor hook in the layer's forward "
-            "instead (output.register_hook(fn): convert runs it under the conversion), or "
-            "apply it to the gradients after backward, outside the converted model")
 
 
 def late_hooks(module: torch.nn.Module, path: str) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import _context
 from ..core.errors import SpecError
 from . import rules
+from ._shared import _Entry, _flat, _local
 from .backward import Regions, converts
 from .rules import draws
 from ._tags import (
@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Plan"]
 
-_local = threading.local()
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _SPMD_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CANONICAL = 896  # a split dim's stand-in size in the plan (divisible by 2 ** 7)
@@ -71,14 +70,6 @@ def _state() -> list:
 
 def _current() -> _Run | None:
     return getattr(_local, "run", None)
-
-
-@dataclass
-class _Entry:
-    kind: str  # "swapped", "passed", "refused", "allowed"
-    where: str
-    call: str
-    detail: str = ""
 
 
 @dataclass
@@ -390,15 +381,6 @@ class _Run:
         for t in _flat((res,), {}):
             if isinstance(t, torch.Tensor):
                 set_tag(t, self.mesh, (None,) * t.ndim, poisoned=True)
-
-
-def _flat(args: tuple, kwargs: dict):
-    for a in list(args) + list(kwargs.values()):
-        yield a
-        if isinstance(a, (tuple, list)) and not isinstance(a, torch.Size):
-            yield from a
-        elif isinstance(a, slice):
-            yield from (a.start, a.stop, a.step)
 
 
 def _has_split_tensor(run: _Run, args: tuple, kwargs: dict) -> bool:

@@ -8,6 +8,7 @@ import torch
 
 from ...core.errors import SpecError
 from .. import flow
+from ..flow import _tensors
 from .._tags import Entries, LocalFloat, LocalSize, axes_str, local_sizes, split_dims
 
 
@@ -64,15 +65,6 @@ class Call:
     def refuse(self, problem: str, fix: str = "") -> None:
         raise Refused(problem, fix)
 
-
-def _tensors(c: Call) -> list[torch.Tensor]:
-    out = []
-    for a in list(c.args) + list(c.kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(v for v in a if isinstance(v, torch.Tensor))
-    return out
 
 
 def _split(c: Call, t: torch.Tensor) -> list[int]:
@@ -218,3 +210,31 @@ def unknown(c: Call) -> Any:
 def raise_refusal(where: str, call: str, r: Refused) -> SpecError:
     fix = f"; {r.fix}" if r.fix else ""
     return SpecError(f"convert: {where}: {call} {r.problem}{fix}")
+
+
+_DUNDER = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub",
+    "__rsub__": "sub", "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul",
+    "__imul__": "mul_", "__truediv__": "div", "__rtruediv__": "div", "__itruediv__": "div_",
+    "__floordiv__": "floor_divide", "__rfloordiv__": "floor_divide",
+    "__ifloordiv__": "floor_divide_", "__mod__": "remainder", "__rmod__": "remainder",
+    "__imod__": "remainder_", "__pow__": "pow", "__rpow__": "pow", "__ipow__": "pow_",
+    "__neg__": "neg", "__pos__": "positive", "__abs__": "abs", "__invert__": "bitwise_not",
+    "__and__": "bitwise_and", "__rand__": "bitwise_and", "__iand__": "bitwise_and_",
+    "__or__": "bitwise_or", "__ror__": "bitwise_or", "__ior__": "bitwise_or_",
+    "__xor__": "bitwise_xor", "__rxor__": "bitwise_xor", "__ixor__": "bitwise_xor_",
+    "__lshift__": "bitwise_left_shift", "__rshift__": "bitwise_right_shift",
+    "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
+    "__ge__": "ge", "__matmul__": "matmul", "__rmatmul__": "rmatmul",
+    "__bool__": "item", "__float__": "item", "__int__": "item", "__index__": "item",
+    "__complex__": "item", "__array__": "item", "__len__": "len",
+}
+
+
+def op_name(func: Callable) -> str:
+    """The name rules are keyed by: ``add`` for ``torch.add``, ``Tensor.add`` and ``+``;
+    ``get:shape`` for the ``shape`` property; ``max_pool2d`` for F's dispatchers."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return "get:" + getattr(getattr(func, "__self__", None), "__name__", "?")
+    return _DUNDER.get(name, name)

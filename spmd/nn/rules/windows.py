@@ -17,7 +17,7 @@ from ...core._context import current_rank
 from ...transforms.reduction import reduce as _reduce
 from .. import flow
 from .._tags import spec_of
-from ._base import Call, _arg, _no_local_sizes, _where, broadcast, like_input
+from ._base import Call, _arg, _no_local_sizes, _where, broadcast, like_input, op_name
 
 
 def _swap(c: Call, detail: str, make: Callable[[Any], Callable],
@@ -309,7 +309,7 @@ def pad(c: Call) -> Any:
 def materialize(run: Any, func: Callable, args: tuple, kwargs: dict) -> None:
     """Make the deferred pads that ``func``'s arguments hold, unless ``func`` is the conv
     that takes one in (``pad``)."""
-    name = op_name_of(func)
+    name = op_name(func)
     for a in list(args) + list(kwargs.values()):
         for t in (a if isinstance(a, (tuple, list)) else (a,)):
             if not isinstance(t, torch.Tensor) or id(t) not in run.deferred:
@@ -371,11 +371,6 @@ def conv(n: int):
             return c.out(c.call(), like_input(c, x), out)
         return _swap(joined, f"-> spmd.ops.conv{n}d(padding_mode={mode!r})", make, out_layout)
     return rule
-
-
-def op_name_of(func: Callable) -> str:
-    from . import op_name
-    return op_name(func)
 
 
 def ntuple_of(v: Any, n: int) -> tuple:
