@@ -86,8 +86,10 @@ CASES = {
                         "exact"),
     "view keeping H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1, 4, 2).sum(-1)), "exact"),
     "flatten of H": (Fn(lambda m, x: x.flatten(1)), "flatten flattens dim 2"),
-    "view merging H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1)),
-                       "reshapes dim 2, which is split over 'sp', merging it with other dims"),
+    "view merging H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1)), "exact"),
+    "view merging H behind C": (Fn(lambda m, x: x.view(x.shape[0], -1, x.shape[3])),
+                                "reshapes dim 2, which is split over 'sp', merging it with "
+                                "other dims where it is not the outermost"),
     "coordinates of a local size": (
         Fn(lambda m, x: x * torch.linspace(0, 1, x.shape[2], dtype=x.dtype)[:, None]),
         "torch.linspace builds coordinates from"),
