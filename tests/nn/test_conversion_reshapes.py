@@ -63,6 +63,20 @@ class QKV(nn.Module):
         return self.proj(a.reshape(b * n, c)).reshape(b, n, c)
 
 
+class ChannelMLP(nn.Module):
+    """neuraloperator's ChannelMLP: 1x1 Conv1d over the flattened positions."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv1d(c, 2 * c, 1), nn.Conv1d(2 * c, c, 1)
+
+    def forward(self, x):
+        b, c = x.shape[:2]
+        size = list(x.shape[2:])
+        x = self.fc2(F.gelu(self.fc1(x.reshape(b, c, -1))))
+        return x.reshape(b, c, *size)
+
+
 CASES = {
     "view (b, c, h * w)": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1],
                                                   x.shape[2] * x.shape[3]) * 2), H, "exact"),
@@ -74,6 +88,11 @@ CASES = {
     "tokens transposed and back": (
         Fn(lambda m, x: x.flatten(2).transpose(1, 2).sin().transpose(1, 2).reshape(x.shape)),
         H, "exact"),
+    "unflatten back": (Fn(lambda m, x: x.flatten(2).unflatten(2, (x.shape[2], x.shape[3]))),
+                       H, "exact"),
+    "unflatten back with -1": (Fn(lambda m, x: x.flatten(2).unflatten(2, (-1, x.shape[3]))),
+                               H, "exact"),
+    "neuraloperator ChannelMLP": (ChannelMLP(), H, "exact"),
     "identity slices": (Fn(lambda m, x: x[:, 0:] + x[..., 0:None] + x[:, :, 0::1]), H, "exact"),
     "diffusers attention": (Attention(), H, "exact"),
     "merged behind W": (Fn(lambda m, x: x.transpose(2, 3).reshape(*x.shape[:2], -1)), H,

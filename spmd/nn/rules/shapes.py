@@ -171,8 +171,10 @@ def unflatten(c: Call) -> Any:
     e = c.ent(x)
     d = _dim(_arg(c, "dim", 1, 0), x.ndim)
     sizes = _arg(c, "sizes", 2, ())
-    if e[d]:
-        c.refuse(f"splits {_where(d, e[d])} into several dims")
+    if e[d]:  # as the reshape it is: into itself and whole dims behind it
+        shape = [LocalSize(n, (k, e[k])) if e[k] else int(n) for k, n in enumerate(x.shape)]
+        target = shape[:d] + list(sizes) + shape[d + 1:]
+        return view(Call(c.run, torch.Tensor.reshape, "reshape", (x, target), {}))
     return c.out(c.call(), e[:d] + (None,) * len(sizes) + e[d + 1:])
 
 
