@@ -141,6 +141,8 @@ class LocalSize(_Tracked, int):
     #: ``self == scale * x.shape[d]`` as read, where arithmetic kept that (multiplying by
     #: plain ints: ``h * w``, ``b * n``); None after any other arithmetic.
     scale: int | None
+    #: The global size of the dim it was read from, where its layout was known.
+    glob: int | None = None
 
     def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
                 expr: str | None = None):

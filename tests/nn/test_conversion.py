@@ -68,7 +68,9 @@ CASES = {
     "finite difference": (Fn(lambda m, x: x[:, :, 1:] - x[:, :, :-1]),
                           "indexing x[...] slices dim 2, which is split over 'sp'; a stencil"),
     "spectral layer": (Fn(lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x) * 2, s=x.shape[-2:])),
-                       "torch.fft.rfft2 transforms dim 2"),
+                       "exact"),
+    "fftshift over H": (Fn(lambda m, x: torch.fft.fftshift(x, dim=2)),
+                        "torch.fft.fftshift transforms dim 2"),
     # more of what real models do
     "softmax over C": (nn.Softmax(dim=1), "exact"),
     "mean keepdim": (Fn(lambda m, x: x - x.mean(dim=(2, 3), keepdim=True)), "exact"),

@@ -17,6 +17,7 @@ from .. import flow
 from .._tags import axes_str, spec_of, split_dims
 from ..attention import sharded_mha_forward
 from ..modules import SHARDED, implicit_softmax_dim
+from . import fourier
 from ._base import (
     Call,
     PerOutput,
@@ -488,10 +489,11 @@ def fft(c: Call) -> Any:
     else:
         dims = _dims(_arg(c, "dim", 2, -1), nd)
     e = c.ent(x)
-    for d in dims:
-        if e[d]:
-            c.refuse(f"transforms {_where(d, e[d])}", _FFT_FIX)
-    return c.out(c.call(), e)
+    split = [d for d in dims if e[d]]
+    if not split:
+        return c.out(c.call(), e)
+    return fourier.fft(c, dims, lambda: c.refuse(f"transforms {_where(split[0], e[split[0]])}",
+                                                 _FFT_FIX))
 
 
 def roll(c: Call) -> Any:
