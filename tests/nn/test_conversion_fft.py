@@ -55,7 +55,8 @@ CASES = {
     "hfft over H": (lambda m, x: torch.fft.hfft(x + 0j, dim=2),
                     "torch.fft.hfft transforms dim 2, which is split over 'sp'"),
     "neuraloperator SpectralConv": (
-        SpectralConv(), "indexing x[...] slices dim 3, which is split over 'sp'"),
+        SpectralConv(), "indexing x[...] slices dim 3, which is split over 'sp' (a spectrum "
+                        "split along its frequencies by the FFT before"),
 }
 
 

@@ -93,6 +93,11 @@ CASES = {
     "unflatten back with -1": (Fn(lambda m, x: x.flatten(2).unflatten(2, (-1, x.shape[3]))),
                                H, "exact"),
     "neuraloperator ChannelMLP": (ChannelMLP(), H, "exact"),
+    "channels-last tokens and back": (
+        Fn(lambda m, x: (lambda b, c, h, w: x.permute(0, 2, 3, 1).reshape(b, -1, c).tanh()
+                         .reshape(b, h, w, c).permute(0, 3, 1, 2))(*x.shape)), H, "exact"),
+    "H merged with C behind it": (
+        Fn(lambda m, x: x.permute(0, 2, 1, 3).reshape(x.shape[0], -1, x.shape[3])), H, "exact"),
     "identity slices": (Fn(lambda m, x: x[:, 0:] + x[..., 0:None] + x[:, :, 0::1]), H, "exact"),
     "diffusers attention": (Attention(), H, "exact"),
     "merged behind W": (Fn(lambda m, x: x.transpose(2, 3).reshape(*x.shape[:2], -1)), H,
@@ -141,6 +146,20 @@ def test_timm_qkv_heads_and_token_merges_are_exact_at_batch_1():
     with pytest.raises(spmd.SpecError, match="reshapes dim 1, which is split over 'sp', "
                                              "merging it with other dims where it is not"):
         spmd.nn.convert(model, mesh, T, example=torch.cat([x, x]))
+
+
+def test_a_mesh_of_two_axes():
+    """H and W split: merging them puts W's shards behind H's (refused); a split batch
+    in front of a merged H does not matter."""
+    mesh = spmd.Mesh((2, 2), ("a", "b"))
+    model = Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1).exp())
+    x = torch.randn(2, 3, 37, 6, dtype=F64)
+    with pytest.raises(spmd.SpecError, match="reshapes dim 3, which is split over 'b', "
+                                             "merging it with other dims where it is not"):
+        spmd.nn.convert(model, mesh, P(None, None, "a", "b"), example=x)
+    spec = P("b", None, "a")
+    conv = spmd.nn.convert(model, mesh, spec, example=x)
+    assert_matches_single_device(conv, model, mesh, spec, spec, x)
 
 
 def test_uneven_shards_keep_their_sizes_through_the_merge_and_back():

@@ -111,7 +111,9 @@ def view(c: Call) -> Any:
     out_sizes: list = [None] * len(canon)
     for d in sp:
         gi, gj = next(g for g in groups if d in g[0])
-        if any(ins[k] != 1 for k in gi[:gi.index(d)]) or any(e[k] for k in gi if k != d):
+        if any(e[k] for k in gi if k != d):  # two split dims: the later one is behind
+            _merge_refusal(c, max(k for k in gi if e[k]), e)
+        if any(ins[k] != 1 for k in gi[:gi.index(d)]):
             _merge_refusal(c, d, e)
         grown = [k for k in gj if canon[k] != canon2[k]]  # the out dims holding the split one
         if len(grown) != 1 or any(canon[k] != 1 for k in gj[:gj.index(grown[0])]):
@@ -369,6 +371,12 @@ def _index_entries(c: Call, x: torch.Tensor, idx: Any, writes: bool) -> Entries:
                 if writes:
                     c.refuse(f"writes into part of {_where(d, e[d])}",
                              "write whole split dims only (':')")
+                if x.is_complex():  # a spectrum's modes: an FNO layer written out
+                    c.refuse(f"slices {_where(d, e[d])} (a spectrum split along its "
+                             f"frequencies by the FFT before: keeping low modes needs the "
+                             f"modes other ranks hold)",
+                             "use spmd.nn.SpectralConv1d/2d/3d for an FNO layer "
+                             "(convert(..., types={YourLayer: spmd.nn.SpectralConv2d}))")
                 hint = ("; a stencil that reads neighbours (x[..., 1:] - x[..., :-1]) gets "
                         "them with spmd.halo_pad on the shard") if v.step in (None, 1) else ""
                 c.refuse(f"slices {_where(d, e[d])}{hint}",
