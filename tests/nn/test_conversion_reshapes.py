@@ -173,6 +173,17 @@ def test_uneven_shards_keep_their_sizes_through_the_merge_and_back():
     torch.testing.assert_close(spmd.gather(y, mesh), model(x), rtol=0, atol=1e-12)
 
 
+def test_empty_shards_merge_and_split_back():
+    mesh = spmd.Mesh((4,), ("sp",))
+    model = Fn(_bcn).double()
+    x = torch.randn(2, 3, 3, 6, dtype=F64)
+    lay = spmd.Layout(x.shape, H, mesh, {2: [0, 2, 0, 1]})
+    y = spmd.shard_map(spmd.nn.convert(model, mesh, H), mesh, H, H)(
+        spmd.Sharded.from_global(x, mesh, lay))
+    assert y.layout.sizes[2] == (0, 2, 0, 1)
+    torch.testing.assert_close(spmd.gather(y, mesh), model(x), rtol=0, atol=1e-12)
+
+
 def test_splitting_tokens_into_rows_that_cut_a_shard_is_refused():
     """Tokens (b, c, 37 * 6) split [61, 61, 61, 39] hold no whole rows of 6."""
     mesh = spmd.Mesh((4,), ("sp",))

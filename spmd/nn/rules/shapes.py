@@ -65,6 +65,12 @@ def _canon(c: Call, x: torch.Tensor, e: Entries, target: list, big: int) -> tupl
     ``(big + d) / w``), so that two stand-ins tell split sizes from whole ones."""
     ins = [(big + d) if e[d] else int(v) for d, v in enumerate(x.shape)]
     canon: list = []
+    if -1 not in target and sum(isinstance(v, LocalSize) for v in target) == 1 and \
+            any(x.shape[d] == 0 for d in split_dims(e)):
+        # an empty shard tells no ratio: the one size read from a split dim is what the
+        # others leave, as on the ranks that hold rows
+        target = [-1 if isinstance(v, LocalSize) and v.scale is not None else v
+                  for v in target]
     for v in target:
         d = next((k for k in split_dims(e) if isinstance(v, LocalSize) and e[k] == v.origin[1]),
                  None)
