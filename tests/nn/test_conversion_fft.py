@@ -103,3 +103,19 @@ def test_uneven_shards_come_back_to_their_layout():
         spmd.Sharded.from_global(x, mesh, lay))
     assert y.layout.sizes[2] == (20, 5, 6, 6)
     torch.testing.assert_close(spmd.gather(y, mesh), model(x), rtol=0, atol=1e-12)
+    # the inverse itself goes back to the input's sizes (not balanced ones)
+    inv = Fn(lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x), s=x.shape[-2:]))
+    y = spmd.shard_map(spmd.nn.convert(inv, mesh, H), mesh, H, H)(
+        spmd.Sharded.from_global(x, mesh, lay))
+    assert y.layout.sizes[2] == (20, 5, 6, 6)
+
+
+def test_a_pencil_on_a_mesh_of_two_axes():
+    """H and W split over two mesh axes: spmd.fft's pencil (two transposes each way)."""
+    mesh = spmd.Mesh((2, 2), ("a", "b"))
+    spec = P(None, None, "a", "b")
+    model = Fn(lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x) * 0.5, s=x.shape[-2:]) + x)
+    x = torch.randn(1, 2, 37, 10, dtype=F64)
+    conv = spmd.nn.convert(model, mesh, spec, example=x)
+    assert_matches_single_device(conv, model, mesh, spec, spec, x)
+    assert_matches_single_device(spmd.nn.convert(model, mesh, spec), model, mesh, spec, spec, x)

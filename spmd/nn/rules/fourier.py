@@ -53,6 +53,16 @@ def fft(c: Call, dims: list[int], refuse: Any) -> Any:
         n = [int(s) * (c.mesh.axis_size(a) if a else 1) for s, a in zip(x.shape, e)]
         lay = Layout(tuple(n), spec_of(e), c.mesh)
     out = real.output_layout(lay, length, dim)
+    # The inverse of a spectrum this forward made goes back to the layout the forward
+    # started from (a pencil's two axes, uneven sizes), not to spmd.fft's default.
+    spectra = vars(c.run).setdefault("spmd_spectra", {})
+    key = tuple(d % x.ndim for d in dims)
+    if base.startswith("i"):
+        back = spectra.get((lay, key))
+        if back is not None and back.shape == out.shape and back != out:
+            out = real.output_layout(lay, length, dim, out_spec=back)
+    else:
+        spectra[(out, key)] = lay
     oe = entries_from_spec(out.spec, x.ndim)
     split = [d for d in dims if e[d]]
     c.record("swapped", f"over split dim {split[0]} -> spmd.fft.{base} ({flow.describe(out)})")
@@ -65,5 +75,5 @@ def fft(c: Call, dims: list[int], refuse: Any) -> Any:
         return c.out(y, oe, None if flow.sizes_of(x, c.mesh) is None else out)
 
     def twin(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return real(t, length, dim, norm, mesh=c.mesh, spec=lay)
+        return real(t, length, dim, norm, mesh=c.mesh, spec=lay, out_spec=out)
     return c.out(c.call(twin), oe, out)
