@@ -11,7 +11,7 @@ import torch
 from ... import fft as _fft
 from .. import flow
 from .._tags import LocalSize, _Tracked, entries_from_spec, spec_of
-from ._base import Call, _arg, share
+from ._base import Call, _arg, _dims, _where, share
 
 #: torch.fft's functions spmd.fft has, by family (how their length argument is named).
 ROUTED = {"fft": "1d", "ifft": "1d", "rfft": "1d", "irfft": "1d", "fft2": "2d", "ifft2": "2d",
@@ -34,7 +34,7 @@ def _global(c: Call, v: Any) -> Any:
     return v
 
 
-def fft(c: Call, dims: list[int], refuse: Any) -> Any:
+def _routed(c: Call, dims: list[int], refuse: Any) -> Any:
     """``c`` (torch.fft's ``base``) on ``x`` split along some of ``dims``: spmd.fft's
     transform of the same name, its output tagged with that transform's layout."""
     x = c.args[0]
@@ -55,7 +55,7 @@ def fft(c: Call, dims: list[int], refuse: Any) -> Any:
     out = real.output_layout(lay, length, dim)
     # The inverse of a spectrum this forward made goes back to the layout the forward
     # started from (a pencil's two axes, uneven sizes), not to spmd.fft's default.
-    spectra = vars(c.run).setdefault("spmd_spectra", {})
+    spectra = c.run.spectra
     key = tuple(d % x.ndim for d in dims)
     if base.startswith("i"):
         back = spectra.get((lay, key))
@@ -77,3 +77,36 @@ def fft(c: Call, dims: list[int], refuse: Any) -> Any:
     def twin(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return real(t, length, dim, norm, mesh=c.mesh, spec=lay, out_spec=out)
     return c.out(c.call(twin), oe, out)
+
+
+_FFT_FIX = ("write it with fft, rfft, fft2, rfft2, fftn, rfftn or their inverses (convert "
+            "runs them as spmd.fft's, which transpose split dims), or keep the dim whole "
+            "(redistribute first); spmd.nn.SpectralConv1d/2d/3d for an FNO layer: "
+            "convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
+            "computes FNO's spectral convolution and holds its weights as weights1, "
+            "weights2 (complex (in, out, modes1, modes2))")
+
+
+def fft(c: Call) -> Any:
+    """torch.fft's functions: over whole dims as they are, over split ones as spmd.fft's
+    (refused where spmd.fft has no such transform: Hermitian ones, shifts)."""
+    x = c.args[0]
+    base = c.name[4:]
+    nd = x.ndim
+    if base in ("fftshift", "ifftshift"):
+        dims = _dims(_arg(c, "dim", 1, None), nd)
+    elif base.endswith("2"):
+        dims = _dims(_arg(c, "dim", 2, (-2, -1)), nd)
+    elif base.endswith("n"):
+        d = _arg(c, "dim", 2, None)
+        s = _arg(c, "s", 1, None)
+        dims = _dims(d, nd) if d is not None else (list(range(nd - len(s), nd)) if s else
+                                                   list(range(nd)))
+    else:
+        dims = _dims(_arg(c, "dim", 2, -1), nd)
+    e = c.ent(x)
+    split = [d for d in dims if e[d]]
+    if not split:
+        return c.out(c.call(), e)
+    return _routed(c, dims, lambda: c.refuse(f"transforms {_where(split[0], e[split[0]])}",
+                                             _FFT_FIX))

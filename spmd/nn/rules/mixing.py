@@ -17,7 +17,6 @@ from .. import flow
 from .._tags import axes_str, spec_of, split_dims
 from ..attention import sharded_mha_forward
 from ..modules import SHARDED, implicit_softmax_dim
-from . import fourier
 from ._base import (
     Call,
     PerOutput,
@@ -464,36 +463,6 @@ def multi_head_attention(c: Call) -> Any:
         return sharded_mha_forward(*args, **kwargs, mesh=c.mesh, axes=sq, kv_split=bool(sk),
                                    key_padding_mask_split=kpm_split, strategy="ring")
     return c.out(c.call(twin), [out, None])
-
-
-_FFT_FIX = ("use spmd.fft's transform of the same name (it transposes split dims) in a "
-            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer: "
-            "convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
-            "computes FNO's spectral convolution and holds its weights as weights1, "
-            "weights2 (complex (in, out, modes1, modes2))")
-
-
-def fft(c: Call) -> Any:
-    x = c.args[0]
-    base = c.name[4:]
-    nd = x.ndim
-    if base in ("fftshift", "ifftshift"):
-        dims = _dims(_arg(c, "dim", 1, None), nd)
-    elif base.endswith("2"):
-        dims = _dims(_arg(c, "dim", 2, (-2, -1)), nd)
-    elif base.endswith("n"):
-        d = _arg(c, "dim", 2, None)
-        s = _arg(c, "s", 1, None)
-        dims = _dims(d, nd) if d is not None else (list(range(nd - len(s), nd)) if s else
-                                                   list(range(nd)))
-    else:
-        dims = _dims(_arg(c, "dim", 2, -1), nd)
-    e = c.ent(x)
-    split = [d for d in dims if e[d]]
-    if not split:
-        return c.out(c.call(), e)
-    return fourier.fft(c, dims, lambda: c.refuse(f"transforms {_where(split[0], e[split[0]])}",
-                                                 _FFT_FIX))
 
 
 def roll(c: Call) -> Any:
