@@ -48,6 +48,22 @@ class Attention(nn.Module):
         return self.o(a).transpose(1, 2).view(b, c, h, w) + x
 
 
+class Processor(Attention):
+    """diffusers' AttnProcessor2_0 as written there: -1 for the tokens, heads merged into
+    the batch for the norm-free path, transpose(-1, -2).reshape back to the image."""
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = x.view(b, c, h * w).transpose(1, 2)
+        t = self.norm(t.transpose(1, 2)).transpose(1, 2)
+        d = c // self.heads
+        q, k, v = (f(t).view(b, -1, self.heads, d).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v)
+        a = a.transpose(1, 2).reshape(b, -1, self.heads * d)
+        return (self.o(a).transpose(-1, -2).reshape(b, c, h, w) + x) / 2.0
+
+
 class QKV(nn.Module):
     """timm's attention: one qkv Linear reshaped to (3, b, heads, n, d)."""
 
@@ -100,6 +116,7 @@ CASES = {
         Fn(lambda m, x: x.permute(0, 2, 1, 3).reshape(x.shape[0], -1, x.shape[3])), H, "exact"),
     "identity slices": (Fn(lambda m, x: x[:, 0:] + x[..., 0:None] + x[:, :, 0::1]), H, "exact"),
     "diffusers attention": (Attention(), H, "exact"),
+    "diffusers AttnProcessor2_0": (Processor(), H, "exact"),
     "merged behind W": (Fn(lambda m, x: x.transpose(2, 3).reshape(*x.shape[:2], -1)), H,
                         "reshapes dim 3, which is split over 'sp', merging it with other dims "
                         "where it is not the outermost"),
