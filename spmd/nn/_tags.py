@@ -98,7 +98,12 @@ class _Tracked:
         other = o._number() if isinstance(o, _Tracked) else o
         a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
         value = fn(other, self._number()) if right else fn(self._number(), other)
-        return _tracked(value, self.origin, f"{a} {sym} {b}")
+        out = _tracked(value, self.origin, f"{a} {sym} {b}")
+        scale = getattr(self, "scale", None)
+        if sym == "*" and scale is not None and isinstance(out, LocalSize) and \
+                not isinstance(o, _Tracked) and isinstance(o, int):
+            out.scale = scale * o  # still a whole multiple of the size read
+        return out
 
     def __add__(self, o): return self._op(o, "+", operator.add)
     def __radd__(self, o): return self._op(o, "+", operator.add, True)
@@ -133,11 +138,17 @@ class LocalSize(_Tracked, int):
     """
 
     derived: bool
+    #: ``self == scale * x.shape[d]`` as read, where arithmetic kept that (multiplying by
+    #: plain ints: ``h * w``, ``b * n``); None after any other arithmetic.
+    scale: int | None
+    #: The global size of the dim it was read from, where its layout was known.
+    glob: int | None = None
 
     def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
                 expr: str | None = None):
         self = int.__new__(cls, value)
         self.origin, self.derived = origin, derived
+        self.scale = None if derived else 1
         self.expr = expr if expr is not None else f"shape[{origin[0]}]"
         return self
 

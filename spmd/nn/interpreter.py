@@ -196,6 +196,8 @@ class _Run:
         self.paths: list[str] = []
         self.suspended = 0
         self.internal = 0  # spmd's own hooks at work: their torch calls are not the model's
+        #: (spectrum layout, dims) -> the layout its forward FFT started from (rules/fourier)
+        self.spectra: dict = {}
         self.mode = _Mode(self)
         self._prev_converting = False
         self.views: Any = None  # state.Views: rank threads' own copies of updated buffers

@@ -68,7 +68,9 @@ CASES = {
     "finite difference": (Fn(lambda m, x: x[:, :, 1:] - x[:, :, :-1]),
                           "indexing x[...] slices dim 2, which is split over 'sp'; a stencil"),
     "spectral layer": (Fn(lambda m, x: torch.fft.irfft2(torch.fft.rfft2(x) * 2, s=x.shape[-2:])),
-                       "torch.fft.rfft2 transforms dim 2"),
+                       "exact"),
+    "fftshift over H": (Fn(lambda m, x: torch.fft.fftshift(x, dim=2)),
+                        "torch.fft.fftshift transforms dim 2"),
     # more of what real models do
     "softmax over C": (nn.Softmax(dim=1), "exact"),
     "mean keepdim": (Fn(lambda m, x: x - x.mean(dim=(2, 3), keepdim=True)), "exact"),
@@ -86,8 +88,10 @@ CASES = {
                         "exact"),
     "view keeping H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1, 4, 2).sum(-1)), "exact"),
     "flatten of H": (Fn(lambda m, x: x.flatten(1)), "flatten flattens dim 2"),
-    "view merging H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1)),
-                       "reshapes dim 2, which is split over 'sp', merging it with other dims"),
+    "view merging H": (Fn(lambda m, x: x.view(x.shape[0], x.shape[1], -1)), "exact"),
+    "view merging H behind C": (Fn(lambda m, x: x.view(x.shape[0], -1, x.shape[3])),
+                                "reshapes dim 2, which is split over 'sp', merging it with "
+                                "other dims where it is not the outermost"),
     "coordinates of a local size": (
         Fn(lambda m, x: x * torch.linspace(0, 1, x.shape[2], dtype=x.dtype)[:, None]),
         "torch.linspace builds coordinates from"),

@@ -37,13 +37,12 @@ from ._base import (
     refuse_if_split,
     unknown,
 )
+from .fourier import _FFT_FIX, fft
 from .mixing import (
-    _FFT_FIX,
     attention,
     batch_norm,
     bilinear,
     einsum,
-    fft,
     flip,
     group_norm,
     im2col,

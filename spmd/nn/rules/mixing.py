@@ -465,35 +465,6 @@ def multi_head_attention(c: Call) -> Any:
     return c.out(c.call(twin), [out, None])
 
 
-_FFT_FIX = ("use spmd.fft's transform of the same name (it transposes split dims) in a "
-            "layer of your own, or spmd.nn.SpectralConv1d/2d/3d for an FNO layer: "
-            "convert(..., types={YourLayer: spmd.nn.SpectralConv2d}) swaps it in when it "
-            "computes FNO's spectral convolution and holds its weights as weights1, "
-            "weights2 (complex (in, out, modes1, modes2))")
-
-
-def fft(c: Call) -> Any:
-    x = c.args[0]
-    base = c.name[4:]
-    nd = x.ndim
-    if base in ("fftshift", "ifftshift"):
-        dims = _dims(_arg(c, "dim", 1, None), nd)
-    elif base.endswith("2"):
-        dims = _dims(_arg(c, "dim", 2, (-2, -1)), nd)
-    elif base.endswith("n"):
-        d = _arg(c, "dim", 2, None)
-        s = _arg(c, "s", 1, None)
-        dims = _dims(d, nd) if d is not None else (list(range(nd - len(s), nd)) if s else
-                                                   list(range(nd)))
-    else:
-        dims = _dims(_arg(c, "dim", 2, -1), nd)
-    e = c.ent(x)
-    for d in dims:
-        if e[d]:
-            c.refuse(f"transforms {_where(d, e[d])}", _FFT_FIX)
-    return c.out(c.call(), e)
-
-
 def roll(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)

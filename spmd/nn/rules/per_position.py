@@ -155,13 +155,25 @@ def view_as_complex(c: Call) -> Any:
     return c.out(c.call(), e[:-1])
 
 
+def _read(c: Call, x: torch.Tensor, d: int, v: int) -> Any:
+    """``x.shape[d]``: a ``LocalSize`` at a split dim, knowing the global size where the
+    layout does (``glob``: for a call that means the global size, an FFT's ``s=``)."""
+    e = c.ent(x)
+    if not e[d]:
+        return v
+    out = LocalSize(v, (d, e[d]))
+    sz = flow.sizes_of(x, c.mesh)
+    out.glob = sum(sz[d]) if sz is not None and sz[d] is not None else None
+    return out
+
+
 def shape(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)
     s = c.call()
     if not any(e):
         return s
-    return torch.Size(LocalSize(v, (d, e[d])) if e[d] else v for d, v in enumerate(s))
+    return torch.Size(_read(c, x, d, v) for d, v in enumerate(s))
 
 
 def size(c: Call) -> Any:
@@ -172,9 +184,8 @@ def size(c: Call) -> Any:
     if not any(e):
         return s
     if d is None:
-        return torch.Size(LocalSize(v, (k, e[k])) if e[k] else v for k, v in enumerate(s))
-    k = _dim(d, x.ndim)
-    return LocalSize(s, (k, e[k])) if e[k] else s
+        return torch.Size(_read(c, x, k, v) for k, v in enumerate(s))
+    return _read(c, x, _dim(d, x.ndim), s)
 
 
 def numel(c: Call) -> Any:

@@ -1,8 +1,10 @@
 """Calls that rearrange dims: views and reshapes, permutations, cat/stack/split, indexing.
-A split dim may move, but never merge with another, be cut, or be indexed."""
+A split dim may move, and merge with whole dims behind it (or split back into them), but
+never be merged behind another dim, be cut, or be indexed."""
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -55,7 +57,47 @@ def _groups(ins: list[int], outs: list[int]) -> list[tuple[list[int], list[int]]
     return groups
 
 
+def _canon(c: Call, x: torch.Tensor, e: Entries, target: list, big: int) -> tuple[list, list]:
+    """The view's input and target sizes with every split dim's local size ``n_d`` a
+    stand-in ``big + d``: a target size read from a split dim (``x.shape[d]``, times plain
+    ints: ``h * w``) becomes ``big + d`` times its ratio to ``n_d`` (``h * w`` of a
+    merged ``h`` is ``(big + d) * w``; ``h`` of a dim that holds ``h * w`` is
+    ``(big + d) / w``), so that two stand-ins tell split sizes from whole ones."""
+    ins = [(big + d) if e[d] else int(v) for d, v in enumerate(x.shape)]
+    canon: list = []
+    if -1 not in target and sum(isinstance(v, LocalSize) for v in target) == 1 and \
+            any(x.shape[d] == 0 for d in split_dims(e)):
+        # an empty shard tells no ratio: the one size read from a split dim is what the
+        # others leave, as on the ranks that hold rows
+        target = [-1 if isinstance(v, LocalSize) and v.scale is not None else v
+                  for v in target]
+    for v in target:
+        d = next((k for k in split_dims(e) if isinstance(v, LocalSize) and e[k] == v.origin[1]),
+                 None)
+        if isinstance(v, LocalSize) and (d is None or v.scale is None or x.shape[d] == 0):
+            c.refuse(f"reshapes with {share(c, v)}", "keep split dims as they are (pass -1 or "
+                     "x.shape[d] there, or x.shape[d] times whole sizes)")
+        canon.append(Fraction(int(v), x.shape[d]) * (big + d) if isinstance(v, LocalSize)
+                     else int(v))
+    if canon.count(-1) == 1:
+        known = math.prod(v for v in canon if v != -1)
+        canon[canon.index(-1)] = Fraction(math.prod(ins), known) if known else 0
+    return ins, canon
+
+
+def _merge_refusal(c: Call, d: int, e: Entries) -> None:
+    c.refuse(f"reshapes {_where(d, e[d])}, merging it with other dims where it is not the "
+             f"outermost (or splitting it otherwise than into itself and whole dims behind "
+             f"it): each rank's elements would be scattered over the result",
+             "keep the split dim outermost of the dims it merges with (x.view(b, c, h * w) "
+             "with h split), reshape only whole dims, or redistribute first")
+
+
 def view(c: Call) -> Any:
+    """A split dim may merge with whole dims behind it (``x.view(b, c, h * w)``, equal to
+    ``x.flatten(2)``) or be split into itself and whole dims (the inverse): each rank's
+    elements stay one run of the global order, the shard sizes scaled by the whole
+    sizes merged in (divided by those split off, which must divide every shard)."""
     x = c.args[0]
     e = c.ent(x)
     sp = split_dims(e)
@@ -65,32 +107,40 @@ def view(c: Call) -> Any:
         _no_local_sizes(c)
         return c.call()
     target = _view_target(c)
-    ins = [(_BIG + d) if e[d] else int(v) for d, v in enumerate(x.shape)]
-    canon = []
-    for v in target:
-        if isinstance(v, LocalSize) and not v.derived and e[v.origin[0]] == v.origin[1]:
-            canon.append(_BIG + v.origin[0])
-        elif isinstance(v, LocalSize):
-            c.refuse(f"reshapes with {share(c, v)}", "keep split dims as they are (pass -1 or "
-                     "x.shape[d] there)")
-        else:
-            canon.append(int(v))
-    if canon.count(-1) == 1:
-        known = math.prod(v for v in canon if v != -1)
-        total = math.prod(ins)
-        canon[canon.index(-1)] = total // known if known else 0
+    ins, canon = _canon(c, x, e, target, _BIG)
+    ins2, canon2 = _canon(c, x, e, target, 2 * _BIG)
     groups = _groups(ins, canon)
+    if groups is None or groups != _groups(ins2, canon2):
+        _merge_refusal(c, sp[0], e)
+    sz = flow.sizes_of(x, c.mesh)
     out: list = [None] * len(canon)
+    out_sizes: list = [None] * len(canon)
     for d in sp:
-        g = None if groups is None else next((g for g in groups if d in g[0]), None)
-        if g is None or len(g[0]) != 1 or len(g[1]) != 1 or canon[g[1][0]] != ins[d]:
-            c.refuse(f"reshapes {_where(d, e[d])}, merging it with other dims or splitting it",
-                     "keep split dims as they are, reshape only whole dims (or "
-                     "redistribute first)")
-        out[g[1][0]] = e[d]
-    real = [x.shape[next(d for d in sp if _BIG + d == v)] if v >= _BIG else v for v in canon]
-    args = (x, real)
-    return c.out(c.call(args=args, kwargs={}), tuple(out))
+        gi, gj = next(g for g in groups if d in g[0])
+        if any(e[k] for k in gi if k != d):  # two split dims: the later one is behind
+            _merge_refusal(c, max(k for k in gi if e[k]), e)
+        if any(ins[k] != 1 for k in gi[:gi.index(d)]):
+            _merge_refusal(c, d, e)
+        grown = [k for k in gj if canon[k] != canon2[k]]  # the out dims holding the split one
+        if len(grown) != 1 or any(canon[k] != 1 for k in gj[:gj.index(grown[0])]):
+            _merge_refusal(c, d, e)
+        j = grown[0]
+        merged = math.prod(ins[k] for k in gi[gi.index(d) + 1:])
+        cut = math.prod(int(canon[k]) for k in gj[gj.index(j) + 1:])
+        if sz is not None and sz[d] is not None:
+            if any(s * merged % cut for s in sz[d]):
+                c.refuse(f"splits {_where(d, e[d])} into whole dims of {cut} elements, which "
+                         f"do not divide its shards {list(sz[d])} (times {merged})",
+                         "split the dim so that every shard holds whole rows (or "
+                         "redistribute first)")
+            out_sizes[j] = tuple(s * merged // cut for s in sz[d])
+        elif x.shape[d] * merged % cut:
+            c.refuse(f"splits {_where(d, e[d])} into whole dims of {cut} elements, which do "
+                     f"not divide this rank's {x.shape[d]} rows", "redistribute first")
+        out[j] = e[d]
+    real = [int(v) for v in target]
+    known = None if sz is None else tuple(out_sizes)
+    return c.out(c.call(args=(x, real), kwargs={}), tuple(out), known)
 
 
 def view_as(c: Call) -> Any:
@@ -129,8 +179,10 @@ def unflatten(c: Call) -> Any:
     e = c.ent(x)
     d = _dim(_arg(c, "dim", 1, 0), x.ndim)
     sizes = _arg(c, "sizes", 2, ())
-    if e[d]:
-        c.refuse(f"splits {_where(d, e[d])} into several dims")
+    if e[d]:  # as the reshape it is: into itself and whole dims behind it
+        shape = [LocalSize(n, (k, e[k])) if e[k] else int(n) for k, n in enumerate(x.shape)]
+        target = shape[:d] + list(sizes) + shape[d + 1:]
+        return view(Call(c.run, torch.Tensor.reshape, "reshape", (x, target), {}))
     return c.out(c.call(), e[:d] + (None,) * len(sizes) + e[d + 1:])
 
 
@@ -297,6 +349,12 @@ def _index_items(idx: Any) -> tuple:
     return idx if isinstance(idx, tuple) else (idx,)
 
 
+def _whole(v: slice) -> bool:
+    """``:``, ``0:``, ``0:None:1``: every position, in order (``x[:, 0:]`` in a ViT)."""
+    return (v.start is None or (type(v.start) is int and v.start == 0)) and v.stop is None \
+        and (v.step is None or (type(v.step) is int and v.step == 1))
+
+
 def _index_entries(c: Call, x: torch.Tensor, idx: Any, writes: bool) -> Entries:
     """The entries of ``x[idx]``; refuses indexing that picks positions of a split dim."""
     e = c.ent(x)
@@ -315,10 +373,16 @@ def _index_entries(c: Call, x: torch.Tensor, idx: Any, writes: bool) -> Entries:
                 out.append(e[d])
                 d += 1
         elif isinstance(v, slice):
-            if e[d] and not (v.start is None and v.stop is None and v.step is None):
+            if e[d] and not _whole(v):
                 if writes:
                     c.refuse(f"writes into part of {_where(d, e[d])}",
                              "write whole split dims only (':')")
+                if x.is_complex():  # a spectrum's modes: an FNO layer written out
+                    c.refuse(f"slices {_where(d, e[d])} (a spectrum split along its "
+                             f"frequencies by the FFT before: keeping low modes needs the "
+                             f"modes other ranks hold)",
+                             "use spmd.nn.SpectralConv1d/2d/3d for an FNO layer "
+                             "(convert(..., types={YourLayer: spmd.nn.SpectralConv2d}))")
                 hint = ("; a stencil that reads neighbours (x[..., 1:] - x[..., :-1]) gets "
                         "them with spmd.halo_pad on the shard") if v.step in (None, 1) else ""
                 c.refuse(f"slices {_where(d, e[d])}{hint}",
