@@ -84,10 +84,19 @@ class _Tracked:
     as a ``LocalSize``, a float as a ``LocalFloat``. ``math.floor``/``ceil``/``trunc`` and
     ``round`` keep the tracking. Not followed: ``int(...)``, ``float(...)``, ``math.sqrt``
     (Python makes them plain numbers) and a float on the left of an int size (``0.5 * h``:
-    Python asks the float first); the plan finds those by planning twice (``sizes.py``)."""
+    Python asks the float first); the plan finds those by planning twice (``sizes.py``).
+
+    Each also carries ``glob``: the value the same expression has on one device (computed
+    from the global length of the dim, which the tag's sizes give), or None where that
+    length is not known. Comparing two tracked values (``==``, ``<``, ``min``, ...)
+    decides on ``glob``, so that every rank takes the branch one device takes
+    (``if a.shape[2] != b.shape[2]: pad``); where either ``glob`` is unknown the
+    comparison is refused (``_undecided``). A comparison with a plain number stays this
+    rank's (``sizes.py`` finds a branch that changes with the size)."""
 
     origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     expr: str
+    glob: int | float | None
 
     def _number(self) -> int | float:
         return int(self) if isinstance(self, int) else float(self)
@@ -98,7 +107,25 @@ class _Tracked:
         other = o._number() if isinstance(o, _Tracked) else o
         a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
         value = fn(other, self._number()) if right else fn(self._number(), other)
-        return _tracked(value, self.origin, f"{a} {sym} {b}")
+        og = o.glob if isinstance(o, _Tracked) else o
+        return _tracked(value, self.origin, f"{a} {sym} {b}",
+                        _safe(fn, og, self.glob) if right else _safe(fn, self.glob, og))
+
+    def _cmp(self, o: Any, sym: str, fn) -> Any:
+        if not isinstance(o, (int, float)) or isinstance(o, bool):
+            return NotImplemented
+        if not isinstance(o, _Tracked):
+            return fn(self._number(), o)
+        if self.glob is not None and o.glob is not None:
+            return fn(self.glob, o.glob)  # what one device decides, on every rank
+        return _undecided(self, o, sym, fn(self._number(), o._number()))
+
+    def __eq__(self, o): return self._cmp(o, "==", operator.eq)
+    def __ne__(self, o): return self._cmp(o, "!=", operator.ne)
+    def __lt__(self, o): return self._cmp(o, "<", operator.lt)
+    def __le__(self, o): return self._cmp(o, "<=", operator.le)
+    def __gt__(self, o): return self._cmp(o, ">", operator.gt)
+    def __ge__(self, o): return self._cmp(o, ">=", operator.ge)
 
     def __add__(self, o): return self._op(o, "+", operator.add)
     def __radd__(self, o): return self._op(o, "+", operator.add, True)
@@ -112,14 +139,16 @@ class _Tracked:
     def __rfloordiv__(self, o): return self._op(o, "//", operator.floordiv, True)
     def __mod__(self, o): return self._op(o, "%", operator.mod)
     def __pow__(self, o): return self._op(o, "**", operator.pow)
-    def __neg__(self): return _tracked(-self._number(), self.origin, f"-{_operand(self)}")
+    def __neg__(self): return _tracked(-self._number(), self.origin, f"-{_operand(self)}",
+                                       _safe(operator.neg, self.glob))
     def __floor__(self): return self._call(math.floor, "floor")
     def __ceil__(self): return self._call(math.ceil, "ceil")
     def __trunc__(self): return self._call(math.trunc, "trunc")
     def __round__(self, n=None): return self._call(lambda v: round(v, n), "round")
 
     def _call(self, fn, name: str) -> Any:
-        return _tracked(fn(self._number()), self.origin, f"{name}({self.expr})")
+        return _tracked(fn(self._number()), self.origin, f"{name}({self.expr})",
+                        _safe(fn, self.glob))
 
 
 class LocalSize(_Tracked, int):
@@ -133,11 +162,12 @@ class LocalSize(_Tracked, int):
     """
 
     derived: bool
+    __hash__ = int.__hash__  # defining __eq__ would otherwise make it unhashable
 
     def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
-                expr: str | None = None):
+                expr: str | None = None, glob: int | None = None):
         self = int.__new__(cls, value)
-        self.origin, self.derived = origin, derived
+        self.origin, self.derived, self.glob = origin, derived, glob
         self.expr = expr if expr is not None else f"shape[{origin[0]}]"
         return self
 
@@ -150,24 +180,59 @@ class LocalFloat(_Tracked, float):
     torch call is given it, like the size it came from."""
 
     derived = True
+    __hash__ = float.__hash__
 
-    def __new__(cls, value: float, origin: tuple[int, tuple[str, ...]], expr: str):
+    def __new__(cls, value: float, origin: tuple[int, tuple[str, ...]], expr: str,
+                glob: float | None = None):
         self = float.__new__(cls, value)
-        self.origin, self.expr = origin, expr
+        self.origin, self.expr, self.glob = origin, expr, glob
         return self
 
     def __repr__(self) -> str:
         return float.__repr__(self)
 
 
-def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str) -> Any:
+def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str,
+             glob: Any = None) -> Any:
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return LocalSize(value, origin, True, expr)
+        return LocalSize(value, origin, True, expr, glob if isinstance(glob, int) else None)
     if isinstance(value, float):
-        return LocalFloat(value, origin, expr)
+        return LocalFloat(value, origin, expr, glob if isinstance(glob, (int, float)) else None)
     return value
+
+
+def _safe(fn, *args: Any) -> Any:
+    """``fn(*args)`` on the one-device values, or None where one is unknown (or it fails:
+    a division by a global zero is the one device's own error, raised when it runs)."""
+    if any(a is None for a in args):
+        return None
+    try:
+        return fn(*args)
+    except (ArithmeticError, ValueError):
+        return None
+
+
+def _undecided(a: _Tracked, b: _Tracked, sym: str, local: bool) -> bool:
+    """A comparison of two split sizes whose global lengths are not known here: each rank
+    would decide on its own shares (and ranks could take different paths). Refused: in a
+    plan it is listed with its source line; at run time it raises (the same on every
+    rank: whether a length is known does not depend on the rank)."""
+    from ._shared import _Entry, _local
+    run = getattr(_local, "run", None)  # the converted forward running on this thread
+    if run is None:
+        return local
+    problem = (f"{_operand(a)} {sym} {_operand(b)}: sizes of split dims whose "
+               f"global lengths are not known here (a tensor made in the forward, or a "
+               f"layer not looked into): each rank would decide on its own share and the "
+               f"ranks could take different paths; compare global sizes (constants, or "
+               f"arguments of the model), or give shard_map the input's layout")
+    if run.plan is not None:
+        run.plan.entries.append(_Entry("refused", run.where(), "comparing", problem))
+        return local
+    from ..core.errors import SpecError
+    raise SpecError(f"convert: {run.where()}: comparing {problem}")
 
 
 def _operand(v: Any) -> str:

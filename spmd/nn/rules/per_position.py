@@ -161,7 +161,15 @@ def shape(c: Call) -> Any:
     s = c.call()
     if not any(e):
         return s
-    return torch.Size(LocalSize(v, (d, e[d])) if e[d] else v for d, v in enumerate(s))
+    return torch.Size(_size(c, x, d, v) if e[d] else v for d, v in enumerate(s))
+
+
+def _size(c: Call, x: torch.Tensor, d: int, v: int, expr: str | None = None) -> LocalSize:
+    """This rank's ``v`` of split dim ``d`` of ``x``, with the dim's global length where
+    its layout is known (a comparison of two such sizes decides on those)."""
+    sizes = flow.sizes_of(x, c.mesh)
+    glob = sum(sizes[d]) if sizes is not None and sizes[d] else None
+    return LocalSize(v, (d, c.ent(x)[d]), False, expr, glob)
 
 
 def size(c: Call) -> Any:
@@ -172,9 +180,9 @@ def size(c: Call) -> Any:
     if not any(e):
         return s
     if d is None:
-        return torch.Size(LocalSize(v, (k, e[k])) if e[k] else v for k, v in enumerate(s))
+        return torch.Size(_size(c, x, k, v) if e[k] else v for k, v in enumerate(s))
     k = _dim(d, x.ndim)
-    return LocalSize(s, (k, e[k])) if e[k] else s
+    return _size(c, x, k, s) if e[k] else s
 
 
 def numel(c: Call) -> Any:
@@ -188,7 +196,7 @@ def length(c: Call) -> Any:
     x = c.args[0]
     n = c.call()
     e = c.ent(x)
-    return LocalSize(n, (0, e[0]), False, "len(x)") if e and e[0] else n
+    return _size(c, x, 0, n, "len(x)") if e and e[0] else n
 
 
 def reads_values(c: Call) -> Any:
