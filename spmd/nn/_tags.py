@@ -9,14 +9,20 @@ h)``, ``F.interpolate(x, size=(2 * h, w))``) is refused instead of silently wron
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
+import os
 from typing import Any, NamedTuple
 
 import torch
 
 from ..core.mesh import Mesh
 from ..core.spec import P
+
+_HERE = os.path.abspath(__file__)
+_SPMD = os.path.dirname(os.path.dirname(_HERE))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 #: One entry per dim: None (not split) or the tuple of mesh axes it is split over.
 Entries = tuple
@@ -91,8 +97,9 @@ class _Tracked:
     length is not known. Comparing two tracked values (``==``, ``<``, ``min``, ...)
     decides on ``glob``, so that every rank takes the branch one device takes
     (``if a.shape[2] != b.shape[2]: pad``); where either ``glob`` is unknown the
-    comparison is refused (``_undecided``). A comparison with a plain number stays this
-    rank's (``sizes.py`` finds a branch that changes with the size)."""
+    comparison is refused (``_undecided``). A comparison with a plain number and ``bool``
+    (``if h > 64:``, ``if h % 2:``) decide on ``glob`` too (refused where it is not
+    known). Only the model's code decides so: spmd's own rules compare this rank's share."""
 
     origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     expr: str
@@ -108,17 +115,28 @@ class _Tracked:
         a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
         value = fn(other, self._number()) if right else fn(self._number(), other)
         og = o.glob if isinstance(o, _Tracked) else o
-        return _tracked(value, self.origin, f"{a} {sym} {b}",
-                        _safe(fn, og, self.glob) if right else _safe(fn, self.glob, og))
+        f = (lambda u, v: fn(v, u)) if right else fn
+        return _tracked(value, self.origin, f"{a} {sym} {b}", _safe(f, self.glob, og))
 
     def _cmp(self, o: Any, sym: str, fn) -> Any:
         if not isinstance(o, (int, float)) or isinstance(o, bool):
             return NotImplemented
-        if not isinstance(o, _Tracked):
-            return fn(self._number(), o)
-        if self.glob is not None and o.glob is not None:
-            return fn(self.glob, o.glob)  # what one device decides, on every rank
-        return _undecided(self, o, sym, fn(self._number(), o._number()))
+        tracked = isinstance(o, _Tracked)
+        mine = fn(self._number(), o._number() if tracked else o)
+        if not _from_model():
+            return mine  # spmd's own code compares this rank's share
+        og = o.glob if tracked else o
+        if self.glob is not None and og is not None:
+            return fn(self.glob, og)  # what one device decides, on every rank
+        return _undecided(f"{_operand(self)} {sym} {_operand(o)}", mine)
+
+    def __bool__(self) -> bool:
+        mine = self._number() != 0
+        if not _from_model():
+            return mine
+        if self.glob is not None:
+            return self.glob != 0
+        return _undecided(f"bool({self.expr})", mine)
 
     def __eq__(self, o): return self._cmp(o, "==", operator.eq)
     def __ne__(self, o): return self._cmp(o, "!=", operator.ne)
@@ -203,6 +221,16 @@ def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str,
     return value
 
 
+def _from_model() -> bool:
+    """Whether the code deciding is the model's (not spmd's or torch's own, which compare
+    this rank's share on purpose)."""
+    f = inspect.currentframe()
+    while f is not None and os.path.abspath(f.f_code.co_filename) == _HERE:
+        f = f.f_back
+    return f is not None and not os.path.abspath(f.f_code.co_filename).startswith(
+        (_SPMD, _TORCH))
+
+
 def _safe(fn, *args: Any) -> Any:
     """``fn(*args)`` on the one-device values, or None where one is unknown (or it fails:
     a division by a global zero is the one device's own error, raised when it runs)."""
@@ -214,25 +242,24 @@ def _safe(fn, *args: Any) -> Any:
         return None
 
 
-def _undecided(a: _Tracked, b: _Tracked, sym: str, local: bool) -> bool:
-    """A comparison of two split sizes whose global lengths are not known here: each rank
-    would decide on its own shares (and ranks could take different paths). Refused: in a
+def _undecided(what: str, local: bool) -> bool:
+    """A decision on a split dim's size whose global length is not known here: each rank
+    would decide on its own share (and ranks could take different paths). Refused: in a
     plan it is listed with its source line; at run time it raises (the same on every
     rank: whether a length is known does not depend on the rank)."""
     from ._shared import _Entry, _local
     run = getattr(_local, "run", None)  # the converted forward running on this thread
     if run is None:
         return local
-    problem = (f"{_operand(a)} {sym} {_operand(b)}: sizes of split dims whose "
-               f"global lengths are not known here (a tensor made in the forward, or a "
-               f"layer not looked into): each rank would decide on its own share and the "
-               f"ranks could take different paths; compare global sizes (constants, or "
-               f"arguments of the model), or give shard_map the input's layout")
+    problem = (f"{what}: a split dim's size whose global length is not known here (a "
+               f"tensor made in the forward, or a layer not looked into): each rank would "
+               f"decide on its own share and the ranks could take different paths; decide "
+               f"on global sizes (constants, or arguments of the model)")
     if run.plan is not None:
-        run.plan.entries.append(_Entry("refused", run.where(), "comparing", problem))
+        run.plan.entries.append(_Entry("refused", run.where(), "deciding", problem))
         return local
     from ..core.errors import SpecError
-    raise SpecError(f"convert: {run.where()}: comparing {problem}")
+    raise SpecError(f"convert: {run.where()}: deciding {problem}")
 
 
 def _operand(v: Any) -> str:

@@ -1,9 +1,10 @@
 """Python branches on split dims' sizes inside a converted forward take the branch one
 device takes, on every rank, or are refused before anything moves.
 
-A comparison of two sizes read from split dims (``a.shape[2] != b.shape[2]``, ``<``,
-``min``, with arithmetic on them: ``h // 2``) decides on their global lengths, which
-the layouts give; where one is not known it is refused, naming the source line. A pad
+A comparison of sizes read from split dims (``a.shape[2] != b.shape[2]``, ``<``,
+``min``, with arithmetic on them: ``h // 2``, against a plain number: ``h > 20``,
+``if h % 2``) decides on their global lengths, which the layouts give; where one is not
+known it is refused, naming the source line. A pad
 amount computed from this rank's share (``round(0.25 * x.shape[2])``) is refused.
 
 Results are compared with one device in float64 on 4 ranks of uneven rows (37 rows: 10,
@@ -64,6 +65,28 @@ def test_a_branch_on_two_split_sizes_takes_the_one_device_branch_on_every_rank(r
     torch.testing.assert_close(got, model(x), rtol=0, atol=1e-12)
 
 
+class OddPad(nn.Module):
+    """Decisions on one split size against plain numbers: one device's, on every rank
+    (37 rows are odd, shares 10, 9, 9, 9 are not all; 37 > 20, no share is)."""
+
+    def forward(self, x):
+        if x.shape[2] % 2:
+            x = F.pad(x, (0, 0, 0, 1), "replicate")  # to an even count, as on one device
+        if x.shape[2] > 20 and x.shape[-2] >= 38:
+            x = x * 3
+        if not x.shape[2] <= 20 and max(x.shape[2], 64) == 64:
+            x = x - 1
+        return F.avg_pool2d(x, 2)
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_branch_on_a_split_size_and_a_number_takes_the_one_device_branch(example):
+    x = _x(37)
+    conv = spmd.nn.convert(OddPad(), MESH, H, **({"example": x} if example else {}))
+    got = spmd.shard_map(conv, MESH, H, H)(x)
+    torch.testing.assert_close(got, OddPad()(x), rtol=0, atol=1e-12)
+
+
 class _Made(nn.Module):
     def forward(self, x):
         z = torch.zeros(x.shape[0], x.shape[1], x.shape[2], x.shape[3], dtype=x.dtype)
@@ -82,9 +105,10 @@ def test_a_comparison_of_sizes_of_unknown_global_length_is_refused_before_anythi
     assert stats.calls() == 0
     msg = str(e.value)
     assert "nothing has run" in msg and msg.count("\n  - ") == 1, msg
-    assert ("  - in _Made (test_conversion_branches.py:70): comparing shape[2] != shape[2]: "
-            "sizes of split dims whose global lengths are not known here") in msg
-    assert "each rank would decide on its own share" in msg
+    assert ("  - in _Made (test_conversion_branches.py:93): deciding shape[2] != shape[2]: "
+            "a split dim's size whose global length is not known here (a tensor made in the "
+            "forward, or a layer not looked into): each rank would decide on its own share "
+            "and the ranks could take different paths; decide on global sizes") in msg
 
 
 def test_tracked_sizes_compare_on_their_global_values():
@@ -94,8 +118,8 @@ def test_tracked_sizes_compare_on_their_global_values():
     assert a != b and a > b and not a == b and max(a, b) is a
     assert a // 3 == b // 3 + 1  # 9 // 3 == 8 // 3 + 1 on one device (1 != 0 + 1 here)
     assert (a * 0.5).glob == 4.5 and round(a * 0.5).glob == 4
-    assert a == 3 and b < 3  # a plain number compares with this rank's share
-    assert {a: 1}[3] == 1  # hashable as the int it is
+    assert a == 9 and b < 9 and a % 2 and not b % 2  # a plain number: the global size too
+    assert hash(a) == hash(3)  # hashable, as the int it is
 
 
 class DomainPadding(nn.Module):

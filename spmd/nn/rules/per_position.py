@@ -2,6 +2,7 @@
 split dim is this rank's share: a ``LocalSize``), and tensors made in the forward."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -189,7 +190,12 @@ def numel(c: Call) -> Any:
     x = c.args[0]
     sp = _split(c, x)
     n = c.call()
-    return LocalSize(n, (sp[0], c.ent(x)[sp[0]]), True, "numel()") if sp else n
+    if not sp:
+        return n
+    sizes = flow.sizes_of(x, c.mesh)  # the global count, where the layout is known
+    glob = math.prod(sum(sizes[d]) if d in sp else v for d, v in enumerate(x.shape)) \
+        if sizes is not None and all(sizes[d] for d in sp) else None
+    return LocalSize(n, (sp[0], c.ent(x)[sp[0]]), True, "numel()", glob)
 
 
 def length(c: Call) -> Any:
