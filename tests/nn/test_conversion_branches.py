@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _modules import Fn
 from torch import nn
 
 import spmd
@@ -22,7 +23,10 @@ from spmd import P
 
 F64 = torch.float64
 H = P(None, None, "sp")
-MESH = spmd.Mesh((4,), ("sp",))
+
+
+def _mesh():  # made in each test: gloo workers import this module on meshes of 2
+    return spmd.Mesh((4,), ("sp",))
 
 
 class UpCat(nn.Module):
@@ -60,8 +64,9 @@ def test_a_branch_on_two_split_sizes_takes_the_one_device_branch_on_every_rank(r
     torch.manual_seed(0)
     model = UpCat()
     x = _x(rows)
-    conv = spmd.nn.convert(model, MESH, H, **({"example": x} if example else {}))
-    got = spmd.shard_map(conv, MESH, H, H)(x)
+    mesh = _mesh()
+    conv = spmd.nn.convert(model, mesh, H, **({"example": x} if example else {}))
+    got = spmd.shard_map(conv, mesh, H, H)(x)
     torch.testing.assert_close(got, model(x), rtol=0, atol=1e-12)
 
 
@@ -82,8 +87,9 @@ class OddPad(nn.Module):
 @pytest.mark.parametrize("example", [True, False])
 def test_a_branch_on_a_split_size_and_a_number_takes_the_one_device_branch(example):
     x = _x(37)
-    conv = spmd.nn.convert(OddPad(), MESH, H, **({"example": x} if example else {}))
-    got = spmd.shard_map(conv, MESH, H, H)(x)
+    mesh = _mesh()
+    conv = spmd.nn.convert(OddPad(), mesh, H, **({"example": x} if example else {}))
+    got = spmd.shard_map(conv, mesh, H, H)(x)
     torch.testing.assert_close(got, OddPad()(x), rtol=0, atol=1e-12)
 
 
@@ -100,12 +106,13 @@ def test_a_comparison_of_sizes_of_unknown_global_length_is_refused_before_anythi
         example):
     x = _x()
     with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
-        conv = spmd.nn.convert(_Made(), MESH, H, **({"example": x} if example else {}))
-        spmd.shard_map(conv, MESH, H, H)(x)
+        mesh = _mesh()
+        conv = spmd.nn.convert(_Made(), mesh, H, **({"example": x} if example else {}))
+        spmd.shard_map(conv, mesh, H, H)(x)
     assert stats.calls() == 0
     msg = str(e.value)
     assert "nothing has run" in msg and msg.count("\n  - ") == 1, msg
-    assert ("  - in _Made (test_conversion_branches.py:93): deciding shape[2] != shape[2]: "
+    assert ("  - in _Made (test_conversion_branches.py:99): deciding shape[2] != shape[2]: "
             "a split dim's size whose global length is not known here (a tensor made in the "
             "forward, or a layer not looked into): each rank would decide on its own share "
             "and the ranks could take different paths; decide on global sizes") in msg
@@ -144,9 +151,10 @@ class DomainPadding(nn.Module):
 def test_a_pad_of_a_fraction_of_the_share_is_refused(left, example):
     x = torch.randn(1, 2, 40, 8, dtype=F64)
     with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError) as e:
-        conv = spmd.nn.convert(DomainPadding(0.25, left), MESH, H,
+        mesh = _mesh()
+        conv = spmd.nn.convert(DomainPadding(0.25, left), mesh, H,
                                **({"example": x} if example else {}))
-        spmd.shard_map(conv, MESH, H, H)(x)
+        spmd.shard_map(conv, mesh, H, H)(x)
     assert stats.calls() == 0
     msg = str(e.value)
     assert "  - in DomainPadding (test_conversion_branches.py:" in msg and "F.pad is given" in msg
@@ -155,3 +163,21 @@ def test_a_pad_of_a_fraction_of_the_share_is_refused(left, example):
         assert ("10 at the global sizes" in msg) == example
     else:  # a tracked size
         assert "round(shape[2] * 0.25), computed from this rank's share of dim 2" in msg
+
+
+def _mean_squares(mesh, model, x):
+    """Per-rank (gloo processes): the converted model's mean square, the same on both."""
+    conv = spmd.nn.convert(Fn(lambda m, x: m.layers[0](x).square().mean(), model), mesh, H)
+    return spmd.shard_map(conv, mesh, H, P())(x).item()
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("net", [UpCat, OddPad])
+def test_branches_on_split_sizes_agree_on_gloo_processes_world2(gloo2, net):
+    # 37 rows as 19 and 18: each process alone would pad (or not) otherwise, and its
+    # collectives would wait for the other's
+    torch.manual_seed(0)
+    model, x = net(), _x(37)
+    got = gloo2.run(_mean_squares, (2,), ("sp",), args=(model, x))
+    want = model(x).square().mean().item()
+    assert got == [pytest.approx(want, rel=1e-12, abs=0)] * 2
