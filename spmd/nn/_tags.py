@@ -9,14 +9,20 @@ h)``, ``F.interpolate(x, size=(2 * h, w))``) is refused instead of silently wron
 """
 from __future__ import annotations
 
+import inspect
 import math
 import operator
+import os
 from typing import Any, NamedTuple
 
 import torch
 
 from ..core.mesh import Mesh
 from ..core.spec import P
+
+_HERE = os.path.abspath(__file__)
+_SPMD = os.path.dirname(os.path.dirname(_HERE))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 #: One entry per dim: None (not split) or the tuple of mesh axes it is split over.
 Entries = tuple
@@ -84,10 +90,20 @@ class _Tracked:
     as a ``LocalSize``, a float as a ``LocalFloat``. ``math.floor``/``ceil``/``trunc`` and
     ``round`` keep the tracking. Not followed: ``int(...)``, ``float(...)``, ``math.sqrt``
     (Python makes them plain numbers) and a float on the left of an int size (``0.5 * h``:
-    Python asks the float first); the plan finds those by planning twice (``sizes.py``)."""
+    Python asks the float first); the plan finds those by planning twice (``sizes.py``).
+
+    Each also carries ``glob``: the value the same expression has on one device (computed
+    from the global length of the dim, which the tag's sizes give), or None where that
+    length is not known. Comparing two tracked values (``==``, ``<``, ``min``, ...)
+    decides on ``glob``, so that every rank takes the branch one device takes
+    (``if a.shape[2] != b.shape[2]: pad``); where either ``glob`` is unknown the
+    comparison is refused (``_undecided``). A comparison with a plain number and ``bool``
+    (``if h > 64:``, ``if h % 2:``) decide on ``glob`` too (refused where it is not
+    known). Only the model's code decides so: spmd's own rules compare this rank's share."""
 
     origin: tuple[int, tuple[str, ...]]  # (dim, axes) it was read from
     expr: str
+    glob: int | float | None
 
     def _number(self) -> int | float:
         return int(self) if isinstance(self, int) else float(self)
@@ -98,12 +114,41 @@ class _Tracked:
         other = o._number() if isinstance(o, _Tracked) else o
         a, b = (_operand(o), _operand(self)) if right else (_operand(self), _operand(o))
         value = fn(other, self._number()) if right else fn(self._number(), other)
-        out = _tracked(value, self.origin, f"{a} {sym} {b}")
+        og = o.glob if isinstance(o, _Tracked) else o
+        f = (lambda u, v: fn(v, u)) if right else fn
+        out = _tracked(value, self.origin, f"{a} {sym} {b}", _safe(f, self.glob, og))
         scale = getattr(self, "scale", None)
         if sym == "*" and scale is not None and isinstance(out, LocalSize) and \
                 not isinstance(o, _Tracked) and isinstance(o, int):
             out.scale = scale * o  # still a whole multiple of the size read
         return out
+
+    def _cmp(self, o: Any, sym: str, fn) -> Any:
+        if not isinstance(o, (int, float)) or isinstance(o, bool):
+            return NotImplemented
+        tracked = isinstance(o, _Tracked)
+        mine = fn(self._number(), o._number() if tracked else o)
+        if not _from_model():
+            return mine  # spmd's own code compares this rank's share
+        og = o.glob if tracked else o
+        if self.glob is not None and og is not None:
+            return fn(self.glob, og)  # what one device decides, on every rank
+        return _undecided(f"{_operand(self)} {sym} {_operand(o)}", mine)
+
+    def __bool__(self) -> bool:
+        mine = self._number() != 0
+        if not _from_model():
+            return mine
+        if self.glob is not None:
+            return self.glob != 0
+        return _undecided(f"bool({self.expr})", mine)
+
+    def __eq__(self, o): return self._cmp(o, "==", operator.eq)
+    def __ne__(self, o): return self._cmp(o, "!=", operator.ne)
+    def __lt__(self, o): return self._cmp(o, "<", operator.lt)
+    def __le__(self, o): return self._cmp(o, "<=", operator.le)
+    def __gt__(self, o): return self._cmp(o, ">", operator.gt)
+    def __ge__(self, o): return self._cmp(o, ">=", operator.ge)
 
     def __add__(self, o): return self._op(o, "+", operator.add)
     def __radd__(self, o): return self._op(o, "+", operator.add, True)
@@ -117,14 +162,16 @@ class _Tracked:
     def __rfloordiv__(self, o): return self._op(o, "//", operator.floordiv, True)
     def __mod__(self, o): return self._op(o, "%", operator.mod)
     def __pow__(self, o): return self._op(o, "**", operator.pow)
-    def __neg__(self): return _tracked(-self._number(), self.origin, f"-{_operand(self)}")
+    def __neg__(self): return _tracked(-self._number(), self.origin, f"-{_operand(self)}",
+                                       _safe(operator.neg, self.glob))
     def __floor__(self): return self._call(math.floor, "floor")
     def __ceil__(self): return self._call(math.ceil, "ceil")
     def __trunc__(self): return self._call(math.trunc, "trunc")
     def __round__(self, n=None): return self._call(lambda v: round(v, n), "round")
 
     def _call(self, fn, name: str) -> Any:
-        return _tracked(fn(self._number()), self.origin, f"{name}({self.expr})")
+        return _tracked(fn(self._number()), self.origin, f"{name}({self.expr})",
+                        _safe(fn, self.glob))
 
 
 class LocalSize(_Tracked, int):
@@ -141,13 +188,12 @@ class LocalSize(_Tracked, int):
     #: ``self == scale * x.shape[d]`` as read, where arithmetic kept that (multiplying by
     #: plain ints: ``h * w``, ``b * n``); None after any other arithmetic.
     scale: int | None
-    #: The global size of the dim it was read from, where its layout was known.
-    glob: int | None = None
+    __hash__ = int.__hash__  # defining __eq__ would otherwise make it unhashable
 
     def __new__(cls, value: int, origin: tuple[int, tuple[str, ...]], derived: bool = False,
-                expr: str | None = None):
+                expr: str | None = None, glob: int | None = None):
         self = int.__new__(cls, value)
-        self.origin, self.derived = origin, derived
+        self.origin, self.derived, self.glob = origin, derived, glob
         self.scale = None if derived else 1
         self.expr = expr if expr is not None else f"shape[{origin[0]}]"
         return self
@@ -161,24 +207,68 @@ class LocalFloat(_Tracked, float):
     torch call is given it, like the size it came from."""
 
     derived = True
+    __hash__ = float.__hash__
 
-    def __new__(cls, value: float, origin: tuple[int, tuple[str, ...]], expr: str):
+    def __new__(cls, value: float, origin: tuple[int, tuple[str, ...]], expr: str,
+                glob: float | None = None):
         self = float.__new__(cls, value)
-        self.origin, self.expr = origin, expr
+        self.origin, self.expr, self.glob = origin, expr, glob
         return self
 
     def __repr__(self) -> str:
         return float.__repr__(self)
 
 
-def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str) -> Any:
+def _tracked(value: Any, origin: tuple[int, tuple[str, ...]], expr: str,
+             glob: Any = None) -> Any:
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
-        return LocalSize(value, origin, True, expr)
+        return LocalSize(value, origin, True, expr, glob if isinstance(glob, int) else None)
     if isinstance(value, float):
-        return LocalFloat(value, origin, expr)
+        return LocalFloat(value, origin, expr, glob if isinstance(glob, (int, float)) else None)
     return value
+
+
+def _from_model() -> bool:
+    """Whether the code deciding is the model's (not spmd's or torch's own, which compare
+    this rank's share on purpose)."""
+    f = inspect.currentframe()
+    while f is not None and os.path.abspath(f.f_code.co_filename) == _HERE:
+        f = f.f_back
+    return f is not None and not os.path.abspath(f.f_code.co_filename).startswith(
+        (_SPMD, _TORCH))
+
+
+def _safe(fn, *args: Any) -> Any:
+    """``fn(*args)`` on the one-device values, or None where one is unknown (or it fails:
+    a division by a global zero is the one device's own error, raised when it runs)."""
+    if any(a is None for a in args):
+        return None
+    try:
+        return fn(*args)
+    except (ArithmeticError, ValueError):
+        return None
+
+
+def _undecided(what: str, local: bool) -> bool:
+    """A decision on a split dim's size whose global length is not known here: each rank
+    would decide on its own share (and ranks could take different paths). Refused: in a
+    plan it is listed with its source line; at run time it raises (the same on every
+    rank: whether a length is known does not depend on the rank)."""
+    from ._shared import _Entry, _local
+    run = getattr(_local, "run", None)  # the converted forward running on this thread
+    if run is None:
+        return local
+    problem = (f"{what}: a split dim's size whose global length is not known here (a "
+               f"tensor made in the forward, or a layer not looked into): each rank would "
+               f"decide on its own share and the ranks could take different paths; decide "
+               f"on global sizes (constants, or arguments of the model)")
+    if run.plan is not None:
+        run.plan.entries.append(_Entry("refused", run.where(), "deciding", problem))
+        return local
+    from ..core.errors import SpecError
+    raise SpecError(f"convert: {run.where()}: deciding {problem}")
 
 
 def _operand(v: Any) -> str:

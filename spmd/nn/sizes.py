@@ -13,9 +13,10 @@ split dim's size) is refused where the two part.
 No number is exempt by position: a plain number in a shape (``x.view(b, c, int(h), w)``,
 ``torch.zeros(int(h))``) cannot be told from a global size either, and would make a whole
 dim of a share's size; ``x.shape[d]`` passed as it is stays a ``LocalSize``, which the
-rules check. Not seen: numbers and branches that agree at both sizes (``h % 8``,
-``min(h, 64)``, ``if h > 64:``), and the calls after a branch on data, where both plans
-stop (the run has one size to compare with).
+rules check; a branch on it (``if h > 64:``) decides on the global size (``_tags.py``).
+Not seen: plain numbers and branches on them that agree at both sizes (``int(h) % 8``),
+and the calls after a branch on data, where both plans stop (the run has one size to
+compare with).
 """
 from __future__ import annotations
 

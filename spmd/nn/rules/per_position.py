@@ -2,6 +2,7 @@
 split dim is this rank's share: a ``LocalSize``), and tensors made in the forward."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -155,25 +156,22 @@ def view_as_complex(c: Call) -> Any:
     return c.out(c.call(), e[:-1])
 
 
-def _read(c: Call, x: torch.Tensor, d: int, v: int) -> Any:
-    """``x.shape[d]``: a ``LocalSize`` at a split dim, knowing the global size where the
-    layout does (``glob``: for a call that means the global size, an FFT's ``s=``)."""
-    e = c.ent(x)
-    if not e[d]:
-        return v
-    out = LocalSize(v, (d, e[d]))
-    sz = flow.sizes_of(x, c.mesh)
-    out.glob = sum(sz[d]) if sz is not None and sz[d] is not None else None
-    return out
-
-
 def shape(c: Call) -> Any:
     x = c.args[0]
     e = c.ent(x)
     s = c.call()
     if not any(e):
         return s
-    return torch.Size(_read(c, x, d, v) for d, v in enumerate(s))
+    return torch.Size(_size(c, x, d, v) if e[d] else v for d, v in enumerate(s))
+
+
+def _size(c: Call, x: torch.Tensor, d: int, v: int, expr: str | None = None) -> LocalSize:
+    """This rank's ``v`` of split dim ``d`` of ``x``, with the dim's global length where
+    its layout is known (``glob``: a comparison of two such sizes decides on those; a
+    call that means the global size, an FFT's ``s=``, takes it)."""
+    sizes = flow.sizes_of(x, c.mesh)
+    glob = sum(sizes[d]) if sizes is not None and sizes[d] else None
+    return LocalSize(v, (d, c.ent(x)[d]), False, expr, glob)
 
 
 def size(c: Call) -> Any:
@@ -184,22 +182,28 @@ def size(c: Call) -> Any:
     if not any(e):
         return s
     if d is None:
-        return torch.Size(_read(c, x, k, v) for k, v in enumerate(s))
-    return _read(c, x, _dim(d, x.ndim), s)
+        return torch.Size(_size(c, x, k, v) if e[k] else v for k, v in enumerate(s))
+    k = _dim(d, x.ndim)
+    return _size(c, x, k, s) if e[k] else s
 
 
 def numel(c: Call) -> Any:
     x = c.args[0]
     sp = _split(c, x)
     n = c.call()
-    return LocalSize(n, (sp[0], c.ent(x)[sp[0]]), True, "numel()") if sp else n
+    if not sp:
+        return n
+    sizes = flow.sizes_of(x, c.mesh)  # the global count, where the layout is known
+    glob = math.prod(sum(sizes[d]) if d in sp else v for d, v in enumerate(x.shape)) \
+        if sizes is not None and all(sizes[d] for d in sp) else None
+    return LocalSize(n, (sp[0], c.ent(x)[sp[0]]), True, "numel()", glob)
 
 
 def length(c: Call) -> Any:
     x = c.args[0]
     n = c.call()
     e = c.ent(x)
-    return LocalSize(n, (0, e[0]), False, "len(x)") if e and e[0] else n
+    return _size(c, x, 0, n, "len(x)") if e and e[0] else n
 
 
 def reads_values(c: Call) -> Any:

@@ -1,0 +1,127 @@
+"""Real models of other libraries through ``spmd.nn.convert``, where those libraries are
+installed (``pip install -e ".[models]"``; skipped otherwise): small configurations built
+in the test (no downloads), float64, 4 rank threads on rows that split unevenly (at the
+input or after the first pooling), compared with one device.
+
+Tolerance 1e-12: only the order of the convolutions' halo sums and of the norms'
+reductions differs from one device. A model whose attention reshapes a split dim is
+exact or refused naming that reshape (``test_models_with_attention_are_exact_or_refused``
+records which).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd
+from spmd import P
+
+F64 = torch.float64
+ROWS = P(None, None, "sp")
+MESH = spmd.Mesh((4,), ("sp",))
+
+
+def _sample(out):
+    return getattr(out, "sample", out)  # diffusers returns an output dataclass
+
+
+def _converted(model, x, **kw):
+    conv = spmd.nn.convert(model, MESH, ROWS)
+    return spmd.shard_map(lambda x: _sample(conv(x, **kw)), MESH, ROWS, ROWS)(x)
+
+
+def _exact(model, x, **kw):
+    torch.testing.assert_close(_converted(model, x, **kw), _sample(model(x, **kw)),
+                               rtol=0, atol=1e-12)
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+@pytest.mark.parametrize("rows", [36, 37])
+def test_monai_basic_unet_2d_on_rows_the_poolings_floor(rows):
+    # 36 rows pool to 9 then 4: its UpCat pads 8 back to 9, where the ranks' shares of 9
+    # (3, 2, 2, 2) and of 8 (2, 2, 2, 2) compare otherwise on rank 0 than on the others
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    model = nets.BasicUNet(spatial_dims=2, in_channels=1, out_channels=2,
+                           features=(4, 4, 8, 8, 16, 4)).double().eval()
+    _exact(model, _x(1, 1, rows, 16))
+
+
+def test_monai_basic_unet_3d_on_37_slices():
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    model = nets.BasicUNet(spatial_dims=3, in_channels=1, out_channels=1,
+                           features=(2, 2, 4, 4, 8, 2)).double().eval()
+    _exact(model, _x(1, 1, 37, 16, 16))
+
+
+def test_monai_unet_with_residual_units():
+    nets = pytest.importorskip("monai.networks.nets")
+    torch.manual_seed(0)
+    model = nets.UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 16),
+                      strides=(2, 2), num_res_units=1).double().eval()
+    _exact(model, _x(1, 1, 36, 16))  # 9 rows a rank, then 5, 5, 4, 4
+
+
+def _diffusers():
+    return pytest.importorskip("diffusers")
+
+
+def test_diffusers_unet2d_without_attention():
+    diffusers = _diffusers()
+    torch.manual_seed(0)
+    model = diffusers.UNet2DModel(
+        in_channels=2, out_channels=2, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"), layers_per_block=1, norm_num_groups=4,
+        add_attention=False).double().eval()
+    _exact(model, _x(1, 2, 38, 16), timestep=3)  # 10, 10, 9, 9 rows
+
+
+def _attention_unet(diffusers):
+    return diffusers.UNet2DModel(
+        in_channels=2, out_channels=2, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), layers_per_block=1,
+        norm_num_groups=4, attention_head_dim=4).double().eval()
+
+
+def _vae(diffusers):
+    return diffusers.AutoencoderKL(
+        in_channels=2, out_channels=2, block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=2, norm_num_groups=4,
+        layers_per_block=1).double().eval()
+
+
+ATTENTION = {
+    "UNet2DModel with attention": (_attention_unet, {"timestep": 3}),
+    "AutoencoderKL": (_vae, {"sample_posterior": False}),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTENTION))
+def test_models_with_attention_are_exact_or_refused(name, record_property):
+    """Their attention flattens the split rows with the columns (``view(b, c, h * w)``):
+    exact where convert follows that reshape, else refused naming it, before any data
+    moves; never a silently wrong result."""
+    diffusers = _diffusers()
+    torch.manual_seed(0)
+    make, kw = ATTENTION[name]
+    model = make(diffusers)
+    x = _x(1, 2, 38, 16)
+    with spmd.comm_stats() as stats:
+        try:
+            got = _converted(model, x, **kw)
+        except spmd.SpecError as e:
+            msg = str(e)
+            assert stats.calls() == 0
+            assert "nothing has run" in msg and "attentions.0' (attention_processor.py:" in msg
+            assert "view" in msg or "reshape" in msg, msg
+            record_property("outcome", "refused: the attention's view of the split rows")
+            return
+    torch.testing.assert_close(got, _sample(model(x, **kw)), rtol=0, atol=1e-12)
+    record_property("outcome", "exact")
