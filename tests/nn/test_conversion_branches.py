@@ -20,6 +20,7 @@ from torch import nn
 
 import spmd
 from spmd import P
+from spmd.testing import assert_matches_single_device
 
 F64 = torch.float64
 H = P(None, None, "sp")
@@ -127,6 +128,66 @@ def test_tracked_sizes_compare_on_their_global_values():
     assert (a * 0.5).glob == 4.5 and round(a * 0.5).glob == 4
     assert a == 9 and b < 9 and a % 2 and not b % 2  # a plain number: the global size too
     assert hash(a) == hash(3)  # hashable, as the int it is
+
+
+class PatchEmbed(nn.Module):
+    """timm's PatchEmbed with its default ``strict_img_size`` check (an assert on this
+    rank's share of the rows would fail on every rank)."""
+
+    def __init__(self, img=64, p=16, c=3, d=32):
+        super().__init__()
+        self.img_size, self.proj = (img, img), nn.Conv2d(c, d, p, stride=p, dtype=F64)
+
+    def forward(self, x):
+        _, _, h, w = x.shape
+        assert h == self.img_size[0], f"Input height ({h}) doesn't match model ({self.img_size[0]})."
+        assert w == self.img_size[1], f"Input width ({w}) doesn't match model ({self.img_size[1]})."
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class ViT(nn.Module):
+    """A ViT as timm writes it: checked patches, a learned positional table, one block,
+    average pooling over the tokens by an identity slice (``t[:, 0:]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = PatchEmbed()
+        self.pos = nn.Parameter(torch.randn(1, 16, 32, dtype=F64) * 0.02)
+        self.block = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True,
+                                                dtype=F64)
+        self.head = nn.Linear(32, 3, dtype=F64)
+
+    def forward(self, x):
+        t = self.block(self.patch(x) + self.pos)
+        return self.head(t[:, 0:].mean(1))
+
+
+class Divisible(nn.Module):
+    """segmentation-models' check that the input's size divides by 32, then a pyramid
+    level pooled and upsampled back."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, dtype=F64)
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        if h % 32 != 0 or w % 32 != 0:
+            raise RuntimeError(f"Wrong input shape height={h}, width={w}. Expected image "
+                               f"height and width divisible by 32.")
+        y = self.conv(x)
+        return F.interpolate(F.max_pool2d(y, 2), scale_factor=2) + y
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+@pytest.mark.parametrize("make,out", [(ViT, P()), (Divisible, H)], ids=["vit", "divisible"])
+def test_a_librarys_check_of_the_input_size_sees_the_global_size(make, out, ranks):
+    """64 rows over 3 ranks: 22, 21, 21 (each a share no check expects)."""
+    torch.manual_seed(0)
+    net = make().eval()
+    mesh = spmd.Mesh((ranks,), ("sp",))
+    conv = spmd.nn.convert(net, mesh, H)
+    assert_matches_single_device(conv, net, mesh, H, out, torch.randn(1, 3, 64, 64))
 
 
 class DomainPadding(nn.Module):
