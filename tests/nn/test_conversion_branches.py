@@ -12,6 +12,8 @@ Results are compared with one device in float64 on 4 ranks of uneven rows (37 ro
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,7 +115,8 @@ def test_a_comparison_of_sizes_of_unknown_global_length_is_refused_before_anythi
     assert stats.calls() == 0
     msg = str(e.value)
     assert "nothing has run" in msg and msg.count("\n  - ") == 1, msg
-    assert ("  - in _Made (test_conversion_branches.py:99): deciding shape[2] != shape[2]: "
+    line = inspect.getsourcelines(_Made.forward)[1] + 2  # the `if z.shape[2] != ...`
+    assert (f"  - in _Made (test_conversion_branches.py:{line}): deciding shape[2] != shape[2]: "
             "a split dim's size whose global length is not known here (a tensor made in the "
             "forward, or a layer not looked into): each rank would decide on its own share "
             "and the ranks could take different paths; decide on global sizes") in msg
