@@ -37,9 +37,9 @@ from ._base import (
     refuse_if_split,
     unknown,
 )
+from .attn import attention, multi_head_attention
 from .fourier import _FFT_FIX, fft
 from .mixing import (
-    attention,
     batch_norm,
     bilinear,
     einsum,
@@ -51,7 +51,6 @@ from .mixing import (
     layer_norm,
     linear,
     matmul,
-    multi_head_attention,
     pairwise,
     per_channel,
     pixel_shuffle,
