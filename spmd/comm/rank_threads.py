@@ -59,9 +59,22 @@ class _RankRandom(TorchFunctionMode):
     seeds one rank's state, as ``torch.manual_seed`` seeds a process's.
     """
 
+    #: A change of torch's shared generator between this mode's draws is refused (a seed
+    #: set on a rank thread); off where the change is meant (``at_state``).
+    watches_shared = True
+
     def __init__(self, seed: int):
         super().__init__()
         self.seed(seed)
+
+    @classmethod
+    def at_state(cls, state: torch.Tensor) -> _RankRandom:
+        """Draws from ``state`` on, whatever torch's shared generator does meanwhile (a
+        checkpoint's recompute, which sets it around the recompute)."""
+        mode = cls.__new__(cls)
+        TorchFunctionMode.__init__(mode)
+        mode.state, mode.watches_shared = state, False
+        return mode
 
     def seed(self, seed: int) -> None:
         g = torch.Generator()
@@ -74,7 +87,8 @@ class _RankRandom(TorchFunctionMode):
             return func(*args, **kwargs)
         with _rng_lock:
             saved = torch.get_rng_state()
-            if _left[0] is not None and not torch.equal(saved, _left[0]):
+            if self.watches_shared and _left[0] is not None and \
+                    not torch.equal(saved, _left[0]):
                 _left[0] = saved  # report once; the next draw starts afresh
                 raise SpecError(
                     "torch's shared random generator changed while rank threads ran: "
@@ -89,7 +103,8 @@ class _RankRandom(TorchFunctionMode):
             finally:
                 self.state = torch.get_rng_state()
                 torch.set_rng_state(saved)
-                _left[0] = saved
+                if self.watches_shared:
+                    _left[0] = saved
 
     def __enter__(self):
         self._outer = getattr(_active, "mode", None)

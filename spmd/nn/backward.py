@@ -31,6 +31,7 @@ import torch
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
+from ..comm import rank_threads
 from ..core import _context
 from ..core.errors import SpecError
 from . import streams
@@ -127,11 +128,12 @@ class _Pushed:
         saved = (getattr(run_local, "run", None), _context.set_converting(False), pushed_rank)
         run_local.run = run
         # autograd runs the node without the rank thread's random mode: pushed again,
-        # under the interpreter's, at the region's starting state
-        mode = _RegionRandom(self.rng) if self.rng is not None else None
+        # under the interpreter's, at the region's starting state (checkpoint sets and
+        # restores torch's shared generator around the recompute: not a rank's seed)
+        mode = rank_threads._RankRandom.at_state(self.rng) if self.rng is not None else None
         if mode is not None:
             mode.__enter__()
-        replay = streams.replaying(self.streams, mode) if self.streams is not None else None
+        replay = streams.replaying(self.streams) if self.streams is not None else None
         if replay is not None:
             replay.__enter__()
         run.mode.__enter__()
@@ -195,34 +197,8 @@ def clean() -> None:
         _restore(saved)
 
 
-class _RegionRandom(TorchFunctionMode):
-    """A recompute's random draws on a rank thread: from the rank's generator state at
-    the start of the checkpoint region, as the forward drew them. (Checkpoint sets and
-    restores torch's shared generator around the recompute, which the rank thread's own
-    mode would take for a seed set on a rank thread.)"""
-
-    def __init__(self, state: torch.Tensor):
-        super().__init__()
-        self.state = state
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        from ..comm import rank_threads
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in rank_threads._RANDOM:
-            return func(*args, **kwargs)
-        with rank_threads._rng_lock:
-            saved = torch.get_rng_state()
-            torch.set_rng_state(self.state)
-            try:
-                return func(*args, **kwargs)
-            finally:
-                self.state = torch.get_rng_state()
-                torch.set_rng_state(saved)
-
-
 def _rank_random() -> Any:
     """The per-rank random generator mode of this rank thread (threads mesh), if any."""
-    from ..comm import rank_threads
     return getattr(rank_threads._active, "mode", None)
 
 

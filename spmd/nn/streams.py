@@ -61,8 +61,7 @@ class _Streams:
         return new
 
 
-# a checkpoint's recompute: (Config, rank, _Streams, the random state holder it draws from)
-_replay = threading.local()
+_replay = threading.local()  # a checkpoint's recompute: (Config, rank, _Streams)
 
 
 def snapshot(run: Any) -> tuple:
@@ -75,10 +74,9 @@ def snapshot(run: Any) -> tuple:
 
 
 @contextlib.contextmanager
-def replaying(snap: tuple, holder: Any = None) -> Iterator[None]:
+def replaying(snap: tuple) -> Iterator[None]:
     """Shared draws inside come from the streams as ``snapshot`` found them (streams made
-    since then start from their seeds again), so a recompute draws what the forward drew.
-    ``holder`` (with a ``state``) is what a rank thread's draws read in the recompute."""
+    since then start from their seeds again), so a recompute draws what the forward drew."""
     cfg, rank, s = snap
     if s is None:
         with _lock:
@@ -87,7 +85,7 @@ def replaying(snap: tuple, holder: Any = None) -> Iterator[None]:
     else:
         s = s.copy()  # a second backward replays from the region's start again
     prev = getattr(_replay, "on", None)
-    _replay.on = (cfg, rank, s, holder) if s is not None else None
+    _replay.on = (cfg, rank, s) if s is not None else None
     try:
         yield
     finally:
@@ -143,12 +141,9 @@ def use(run: Any, key: tuple, device: torch.device) -> Iterator[None]:
     """Random calls inside draw from the group ``key``'s generator (this rank's copy)."""
     rank = rank_of(run)
     replay = getattr(_replay, "on", None)
-    mine = replay is not None and replay[:2] == (run.cfg, rank)
-    s = replay[2] if mine else _of(run, rank)
+    s = replay[2] if replay is not None and replay[:2] == (run.cfg, rank) else _of(run, rank)
     g = s.generator(key, device)
-    # a rank thread's own generator (in a recompute, the one it draws from there)
-    mode = replay[3] if mine and replay[3] is not None else \
-        getattr(rank_threads._active, "mode", None)
+    mode = getattr(rank_threads._active, "mode", None)  # a rank thread's own generator
     if mode is not None and device.type == "cpu":
         saved, mode.state = mode.state, g.get_state()
         try:
