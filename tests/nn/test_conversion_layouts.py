@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _ops import adam_steps
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -122,15 +123,9 @@ class UNet(nn.Module):
 
 
 def _adam(model, loss_fn, steps=3):
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), {k: p.detach().clone() for k, p in model.named_parameters()}
+    losses = adam_steps(model, loss_fn, steps, lr=0.05)
+    return (torch.tensor(losses, dtype=torch.float64),
+            {k: p.detach().clone() for k, p in model.named_parameters()})
 
 
 def _owner_changes(src, dst) -> int:
