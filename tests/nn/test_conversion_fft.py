@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _modules import Fn
+from _modules import Fn, assert_refused_before_anything_runs
 from torch import nn
 
 import spmd
@@ -68,12 +68,7 @@ def test_each_transform_is_exact_or_refused(name, batch):
     mesh = spmd.Mesh((4,), ("sp",))
     x = torch.randn(batch, 3, 37, 10, generator=torch.Generator().manual_seed(0), dtype=F64)
     if outcome != "exact":
-        with pytest.raises(spmd.SpecError, match="would be wrong on shards") as e:
-            spmd.nn.convert(model, mesh, H, example=x)
-        assert outcome in str(e.value)
-        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match="nothing has run"):
-            spmd.shard_map(spmd.nn.convert(model, mesh, H), mesh, H, P())(x)
-        assert stats.calls() == 0
+        assert_refused_before_anything_runs(model, mesh, H, x, outcome)
         return
     conv = spmd.nn.convert(model, mesh, H, example=x)
     assert "-> spmd.fft." in str(conv.spmd_plan)

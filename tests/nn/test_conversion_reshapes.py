@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _modules import Fn
+from _modules import Fn, assert_refused_before_anything_runs
 from torch import nn
 
 import spmd
@@ -139,12 +139,7 @@ def test_each_case_is_exact_or_refused(name, batch):
     mesh = spmd.Mesh((4,), ("sp",))
     x = torch.randn(batch, 8, 37, 6, generator=torch.Generator().manual_seed(0), dtype=F64)
     if outcome != "exact":
-        with pytest.raises(spmd.SpecError, match="would be wrong on shards") as e:
-            spmd.nn.convert(model, mesh, spec, example=x)
-        assert outcome in str(e.value)
-        with spmd.comm_stats() as stats, pytest.raises(spmd.SpecError, match="nothing has run"):
-            spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, P())(x)
-        assert stats.calls() == 0
+        assert_refused_before_anything_runs(model, mesh, spec, x, outcome)
         return
     conv = spmd.nn.convert(model, mesh, spec, example=x)
     out = eval(conv.spmd_plan.outputs[0], {"P": P})  # noqa: S307 - the plan's own repr
