@@ -316,7 +316,8 @@ class _Run:
         return res
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        random = draws.is_random(rules.op_name(func))
+        name = rules.op_name(func)
+        random = draws.is_random(name)
         if self.suspended:
             return draws.opaque(self, func, args, kwargs) if random else \
                 self.execute(func, args, kwargs)
@@ -326,8 +327,7 @@ class _Run:
         if self.sizes is not None:
             problem = self.sizes.see(self, func, args, kwargs, poisoned)
             if problem and self.plan is not None:  # kept if a rerun confirms it
-                self.record("refused", rules.Call(self, func, rules.op_name(func), args, kwargs),
-                            problem)
+                self.record("refused", rules.Call(self, func, name, args, kwargs), problem)
                 self.sizes.found.append((len(self.sizes.mine) - 1, self.plan.entries[-1]))
         if poisoned:
             res = self.execute(func, args, kwargs)
@@ -340,7 +340,6 @@ class _Run:
         if not args and "input" in kwargs:  # F.conv2d(input=x, ...): rules read args[0]
             kwargs = dict(kwargs)
             args = (kwargs.pop("input"),)
-        name = rules.op_name(func)
         c = rules.Call(self, func, name, args, kwargs)
         if func in self.cfg.allow_funcs:
             self.record("allowed", c, "(allow=)")
