@@ -5,11 +5,12 @@ itself a collective, so every rank must run it.
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 
-_local = threading.local()
+from ..core._local import RankLocal
+
+_local = RankLocal()
 
 
 class collect_anchors:

@@ -29,13 +29,13 @@ import functools
 import hashlib
 import itertools
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core._local import RankLocal
 from ..core._context import current
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, mesh_by_uid
@@ -376,7 +376,7 @@ class _ForwardToken:
 
 
 _forward = _ForwardToken()
-_local = threading.local()  # per rank thread: the chain the next forward joins
+_local = RankLocal()  # per rank thread: the chain the next forward joins
 
 
 def _forward_chain() -> _Chain:

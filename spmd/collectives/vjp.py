@@ -6,18 +6,20 @@ Built on ``torch.autograd.Function`` with ``setup_context``, so ``loss.backward(
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import optree
 import torch
 
+from ..core._local import RankLocal
 from ..comm.stats import in_backward
+from ..comm.threads import _tls as _comm_tls
+from .mesh_vjp import mesh_call
 
 __all__ = ["custom_vjp", "needs_input_grad"]
 
-_stash = threading.local()
+_stash = RankLocal()
 
 
 class custom_vjp:
@@ -62,6 +64,10 @@ class custom_vjp:
                             f"call .defvjp(fwd, bwd) first")
         if not _needs_grad(args):
             return self.fun(*args)
+        run = getattr(_comm_tls, "green", None)
+        if run is not None and not torch._C._are_functorch_transforms_active():
+            # a rank greenlet of the simulated mesh: one node for every rank's call
+            return mesh_call(self, run, args)
         try:
             # The ctx-style Function skips the per-call signature binding that torch does
             # for setup_context-style ones (~10 us); torch refuses it under torch.func.
@@ -189,3 +195,4 @@ def _make_function(name: str, fwd: Callable, bwd: Callable,
         "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
     })
+

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core._local import RankLocal
 from .. import random as _invariant
 from ..core._context import RankContext
 from ..core.errors import CommAborted, CommTimeout, SpecError, check_timeout, tag_rank
@@ -46,7 +47,7 @@ _rng_lock = threading.Lock()
 # the generator the rank threads share: seeds and draws would then depend on thread
 # timing, so it raises instead.
 _left: list[torch.Tensor | None] = [None]
-_active = threading.local()  # .mode: the _RankRandom of this rank thread, if any
+_active = RankLocal()  # .mode: the _RankRandom of this rank thread, if any
 
 
 class _RankRandom(TorchFunctionMode):

@@ -5,19 +5,19 @@ open), so tests can prove that a halo moves only halo bytes, in forward and back
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ..core._local import RankLocal
 from ..core._records import OpenRecords
 
 __all__ = ["comm_stats", "CommStats"]
 
 _open: OpenRecords[CommStats] = OpenRecords()
-_local = threading.local()
+_local = RankLocal()
 
 
 @dataclass

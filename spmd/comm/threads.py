@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..core._local import RankLocal
+from ..core._context import one_pass_error
 from ..core._format import describe, shape_str
 from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
@@ -43,8 +45,15 @@ class _Slot:
         self.done = False
 
 
-# Which run of which comm the calling rank thread belongs to (set by rank_threads).
-_tls = threading.local()
+# Which run of which comm the calling rank thread belongs to (set by rank_threads), and
+# on rank greenlets (rank_greenlets) ``.green``, their run.
+_tls = RankLocal()
+
+
+def in_rank_greenlet() -> bool:
+    """Whether the calling code runs as a rank greenlet of the simulated mesh, where
+    ``spmd.custom_vjp`` rules are one autograd node over every rank."""
+    return getattr(_tls, "green", None) is not None
 
 
 class ThreadComm:
@@ -60,6 +69,7 @@ class ThreadComm:
         # (abandoned after a timeout) is refused before it touches the current run.
         self.run_lock = threading.Lock()
         self.generation = 0
+        self.one_pass = False  # a shard_map backward runs as one pass over all ranks
 
     def begin(self) -> int:
         """Start a run (holding ``run_lock``): fresh rendezvous state, a new generation.
@@ -77,6 +87,8 @@ class ThreadComm:
             return self.generation
 
     def _stale(self, name: str, group: Group) -> None:
+        if self.one_pass and getattr(_tls, "green", None) is None:
+            raise one_pass_error(f"{name} on rank {group.rank}")
         run = getattr(_tls, "run", None)
         if run is not None and run[0] is self and run[1] != self.generation:
             raise CommAborted(f"{name} on rank {group.rank}: this rank belongs to a per-rank "
@@ -142,8 +154,12 @@ class ThreadComm:
         """Wait (bounded by the timeout) until every member arrived; the result."""
         slot_key, slot = arrival
         n = group.size
+        green = getattr(_tls, "green", None)
+        if green is not None:  # a rank greenlet: the others run while this one waits
+            while not (slot.done or slot.error is not None or self._aborted is not None):
+                green.block(group.rank, group, slot, name)
         with self._lock:
-            if not slot.done and slot.error is None:
+            if not slot.done and slot.error is None and green is None:
                 deadline = time.monotonic() + self.mesh.timeout
                 while not (slot.done or slot.error or self._aborted):
                     left = deadline - time.monotonic()

@@ -7,17 +7,17 @@ Bookkeeping only: nothing here communicates.
 """
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ._local import RankLocal
 from .errors import SpecError
 
 if TYPE_CHECKING:
     from .mesh import Mesh
 
-_local = threading.local()
+_local = RankLocal()
 
 
 class RankContext(NamedTuple):
@@ -93,6 +93,8 @@ def _current(what: str) -> RankContext:
         raise err
     s = _stack()
     if not s:
+        if getattr(_local, "one_pass", False):
+            raise one_pass_error(what)
         raise SpecError(
             f"{what} needs a mesh: call it inside spmd.shard_map, inside a function run by "
             f"spmd.launch, or in a torch process within `with mesh:`")
@@ -100,6 +102,28 @@ def _current(what: str) -> RankContext:
     if rank is None:
         rank = _torch_rank() if mesh.backend == "torch" else _no_rank(mesh, what)
     return RankContext(mesh, rank)
+
+
+class one_pass:
+    """Around a shard_map backward that runs as one pass over every rank (the forward
+    ran on rank greenlets): spmd code called there outside a custom_vjp rule gets
+    ``one_pass_error``."""
+
+    def __enter__(self) -> None:
+        self._prev = getattr(_local, "one_pass", False)
+        _local.one_pass = True
+
+    def __exit__(self, *exc) -> None:
+        _local.one_pass = self._prev
+
+
+def one_pass_error(what: str) -> SpecError:
+    return SpecError(
+        f"{what}: called in the backward of a shard_map that ran on rank greenlets, outside "
+        f"a spmd.custom_vjp rule (by a torch.autograd.Function or a hook that communicates); "
+        f"that backward is one pass over all ranks, where only custom_vjp rules meet the "
+        f"other ranks: write the rule with spmd.custom_vjp, or run this shard_map on "
+        f"Mesh(..., schedule='threads')")
 
 
 def _no_rank(mesh: Mesh, what: str) -> int:

@@ -11,13 +11,13 @@ gradient is needed. Both decisions use only specs, the same on every rank
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import optree
 
+from ._local import RankLocal
 from . import _tree
 from .errors import SpecError
 from .layout import Layout
@@ -26,7 +26,7 @@ from .spec import P
 
 __all__ = ["mapped_over", "enclosing_axes", "spec_axes", "check_nested", "refuse_nested_grad"]
 
-_local = threading.local()  # each rank thread runs its own body
+_local = RankLocal()  # each rank thread runs its own body
 
 
 def _stack() -> list[tuple[Mesh, tuple[str, ...]]]:

@@ -148,6 +148,11 @@ class _ShardMap:
         self.in_specs, self.out_specs = in_specs, out_specs
         self.check_rep, self.params_fn = check_rep, params_fn
         self.static_layouts = static_layouts
+        # torch.compile's code runs under C++ guards a rank greenlet cannot leave to let
+        # another rank run (comm/rank_greenlets.py): a compiled body runs on threads.
+        compiled = getattr(f, "_torchdynamo_orig_callable", None) is not None or \
+            type(f).__name__ == "OptimizedModule"
+        self.schedule = "threads" if compiled else mesh.schedule
         self._traces: dict = {}  # (call key, rank) -> the last call's LayoutTrace entries
         self._trace_lock = threading.Lock()
         self._in_cache: dict = {}
@@ -309,8 +314,12 @@ class _ShardMap:
         else:
             if self.mesh.backend != "threads":
                 raise SpecError(f"shard_map on {self.mesh!r} must be called on every rank")
-            results = dict(enumerate(run_on_threads(
-                self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank")))
+            if self.schedule == "greenlets":
+                from ..comm.rank_greenlets import run_on_greenlets as run
+            else:
+                run = run_on_threads
+            results = dict(enumerate(run(self.mesh, run_rank,
+                                         rank_rng=self.mesh.rng == "per_rank")))
             ranks = list(range(self.mesh.size))
 
         outs = {r: _tree.flatten(results[r][0]) for r in ranks}
@@ -334,6 +343,7 @@ class _ShardMap:
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
         state.anchors = [results[r][2] for r in ranks]
         state.seq0 = seq0.get(ranks[0])
+        state.green = not per_rank and self.schedule == "greenlets"
         global_outs = state.assemble(bool(sharded))
         if grad_on and state.any_out_grad:
             if outer:  # a parameter the body closes over: found only now, alike on all ranks

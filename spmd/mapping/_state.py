@@ -11,9 +11,9 @@ from ..comm import comm_of, validating
 from ..comm.rank_threads import run_on_threads
 from ..comm.stats import in_backward
 from ..core import _tree
-from ..core._context import RankContext
+from ..core._context import RankContext, one_pass
 from ..core._format import describe, shape_str
-from ..core.errors import SpecError
+from ..core.errors import CommTimeout, SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
@@ -69,6 +69,7 @@ class _State:
         self.out_specs, self.out_paths, self.per_rank = out_specs, out_paths, per_rank
         self.out_layouts: list[Layout | None] = []
         self.params: list[torch.Tensor] = []
+        self.green = False  # the forward ran on rank greenlets: one backward pass
 
     @property
     def any_out_grad(self) -> bool:
@@ -189,6 +190,8 @@ class _State:
         if self.per_rank:
             with RankContext(mesh, self.ranks[0]):
                 per = [rank_grads(0, self.ranks[0])]
+        elif self.green:
+            per = self._one_pass(gouts, local_outs, anchors, keep)
         else:
             per = run_on_threads(mesh, lambda r: rank_grads(r, r),
                                  rank_rng=mesh.rng == "per_rank")
@@ -222,6 +225,50 @@ class _State:
             with in_backward():
                 grads = self._sum_over_mesh(grads)
         return grads[:n_in] + sgrads + grads[n_in:]
+
+    def _one_pass(self, gouts, local_outs: list[list], anchors: list[list], keep: bool
+                  ) -> list[list]:
+        """Every rank's backward as ONE pass of torch's engine over all their graphs (the
+        forward ran on rank greenlets, so each collective is one node over all ranks,
+        ``collectives/mesh_vjp.py``): per rank, its inputs' gradients; the parameters'
+        (summed over the ranks by the engine) with the first."""
+        outs, cots, ins, roots = [], [], [], []
+        for pos, rank in enumerate(self.ranks):
+            for (k, p), g in zip(self.node_map, gouts):
+                t = local_outs[pos][k]
+                if g is None or t is None or not t.requires_grad or p not in (None, pos):
+                    continue
+                outs.append(t)
+                if p is None:  # a global output: this rank's part of its cotangent
+                    lay = self.out_layouts[k]
+                    g = lay.shard(g, rank) / _rep_factor(lay)
+                cots.append(g)
+            ins += self.local_ins[pos]
+            roots += anchors[pos]
+        n_local = [len(x) for x in self.local_ins]
+        if not outs:
+            return [[None] * (n + (len(self.params) if pos == 0 else 0))
+                    for pos, n in enumerate(n_local)]
+        comm = comm_of(self.mesh)
+        if not comm.run_lock.acquire(timeout=self.mesh.timeout):
+            raise CommTimeout(f"shard_map backward: a per-rank program has been running on "
+                              f"{self.mesh!r} for more than {self.mesh.timeout:g} s in "
+                              f"another thread", op="shard_map")
+        comm.one_pass = True
+        try:
+            with one_pass():
+                got = torch.autograd.grad(outs, ins + self.params + roots, cots,
+                                          allow_unused=True, retain_graph=keep)
+        finally:
+            comm.one_pass = False
+            comm.run_lock.release()
+        per, at = [], 0
+        for pos, n in enumerate(n_local):
+            per.append(list(got[at:at + n]) + [None] * len(self.params))
+            at += n
+        if per:
+            per[0][n_local[0]:] = got[at:at + len(self.params)]
+        return per
 
     def _sum_over_mesh(self, grads: list) -> list:
         """Per-rank view: every rank holds a part of each gradient; sum them everywhere.

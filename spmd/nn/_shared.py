@@ -3,16 +3,17 @@
 Kept apart so that those modules need not import the interpreter."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
+
+from ..core._local import RankLocal
 
 __all__ = ["_Entry", "_flat", "_local"]
 
 #: ``run``: the converted forward running on this thread (``interpreter._Run``);
 #: ``frames``: the layers it is inside.
-_local = threading.local()
+_local = RankLocal()
 
 
 @dataclass

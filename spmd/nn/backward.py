@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import inspect
 import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
+from ..core._local import RankLocal
 from ..comm import rank_threads
 from ..core import _context
 from ..core.errors import SpecError
@@ -48,7 +48,7 @@ _HERE = os.path.abspath(__file__)
 _SPMD_DIR = os.path.dirname(os.path.dirname(_HERE))
 _INTERPRETER = os.path.join(os.path.dirname(_HERE), "interpreter.py")
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_local = threading.local()
+_local = RankLocal()
 #: Code objects whose frames run user code under a run pushed in backward (hooks.py adds
 #: the tensor hook wrapper's).
 MARKERS: set = set()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..core._local import RankLocal
 from .. import random as invariant
 from ..comm import comm_of, rank_threads
 from ..core import _context
@@ -61,7 +62,7 @@ class _Streams:
         return new
 
 
-_replay = threading.local()  # a checkpoint's recompute: (Config, rank, _Streams)
+_replay = RankLocal()  # a checkpoint's recompute: (Config, rank, _Streams)
 
 
 def snapshot(run: Any) -> tuple:

@@ -23,8 +23,10 @@ from torch.autograd.function import once_differentiable
 
 from ..collectives._anchor import anchor
 from ..collectives.compiled import graph_op, like_query
+from ..collectives.vjp import custom_vjp, needs_input_grad
 from ..comm import comm_of, gather_ints
 from ..comm.stats import in_backward
+from ..comm.threads import in_rank_greenlet
 from ..core._context import on_mesh, static_layout, static_mismatch
 from ..core._format import describe
 from ..core.errors import SpecError
@@ -154,7 +156,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
         qs = qs.expand(*qs.shape[:-3], plan.hkv, *qs.shape[-2:])
     if not (qs.requires_grad or ks.requires_grad or vs.requires_grad):
         qs = anchor(qs)  # every rank must run the backward ring, even without a gradient
-    out = _Ring.apply(qs, ks, vs, mask, plan)[0]
+    out = (_ring_rule if in_rank_greenlet() else _Ring.apply)(qs, ks, vs, mask, plan)[0]
     out = out.movedim(-2, sd)
     return out.squeeze(0) if two_d else out
 
@@ -462,6 +464,26 @@ class _Ring(torch.autograd.Function):
             dq, dk, dv, dmask = _ring_backward(q, k, v, out, lse, mask, gout, plan,
                                                ctx.needs_input_grad[3] and ctx.mask_is_float)
         return dq, dk, dv, dmask, None
+
+
+def _ring_fwd(q, k, v, mask, plan):
+    out, lse = _Ring.forward(q, k, v, mask, plan)
+    return (out, lse), (q, k, v, out, lse, mask, mask is not None and mask.dtype != torch.bool)
+
+
+def _ring_bwd(plan, res, g):
+    q, k, v, out, lse, mask, mask_is_float = res
+    dq, dk, dv, dmask = _ring_backward(q, k, v, out, lse, mask, g[0], plan,
+                                       mask_is_float and needs_input_grad()[3])
+    return dq, dk, dv, dmask
+
+
+# The same ring as a custom_vjp rule, for the simulated mesh's rank greenlets, where a
+# rule is one autograd node over every rank (collectives/mesh_vjp.py) and so its
+# backward ring meets the other ranks' in a single backward pass.
+_ring_rule = custom_vjp(lambda q, k, v, mask, plan: _Ring.forward(q, k, v, mask, plan),
+                        nondiff_argnums=(4,))
+_ring_rule.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _fwd_step(q5, cur, plan, mask5, owner, state, cdt):

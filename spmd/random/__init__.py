@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 
+from ..core._local import RankLocal
 from ..core import _context
 from ..core.errors import SpecError
 from .calls import HANDLERS, RANDOM, _Draw, draws_nothing
@@ -42,7 +42,7 @@ from .hashing import IndexOf, bits, draw_key, local_index, uniform
 
 __all__ = ["invariant", "Invariant", "Stream", "draw_key", "bits", "uniform", "RANDOM"]
 
-_local = threading.local()
+_local = RankLocal()
 
 
 class Stream:

@@ -1,7 +1,9 @@
 """Rank threads (spmd/comm/rank_threads.py) under concurrency and faults: calls from
 several Python threads on one threads mesh take turns; a rank that never arrives is
 named at the mesh's timeout, the mesh stays usable, and the late rank's collectives never
-reach a later call.
+reach a later call. A rank stuck outside any collective (a sleep) is a case for
+``schedule="threads"``: on rank greenlets (tests/comm/test_rank_greenlets.py) it holds
+the one thread they share.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_mesh_stays_usable():
     """Rank 2 sleeps through the timeout: the error names it as soon as the others' wait
     times out, the next call on the same mesh works, and when rank 2 wakes, its psum does
     not reach the call running then."""
-    mesh = spmd.Mesh((3,), ("sp",), timeout=1.0)
+    mesh = spmd.Mesh((3,), ("sp",), timeout=1.0, schedule="threads")
     f = spmd.shard_map(lambda x: spmd.psum(x.sum(), "sp"), mesh, P("sp"), P())
     start = time.monotonic()
     with pytest.raises(spmd.CommTimeout, match=r"ranks \[2\] of the group \[0, 1, 2\] did not "
@@ -73,7 +75,7 @@ def test_a_rank_that_never_arrives_is_named_and_the_mesh_stays_usable():
 def test_an_error_on_one_rank_is_reported_without_waiting_for_a_stuck_one():
     """Rank 0 raises while rank 2 is stuck outside any collective: the error comes at
     once, not after the whole run's timeout."""
-    mesh = spmd.Mesh((3,), ("sp",), timeout=30.0)
+    mesh = spmd.Mesh((3,), ("sp",), timeout=30.0, schedule="threads")
 
     def body(x):
         r = spmd.axis_index("sp")
@@ -181,7 +183,8 @@ def test_torch_manual_seed_on_a_rank_thread_raises_at_the_next_draw(where):
             torch.manual_seed(0)
             return torch.nn.functional.dropout(x, 0.5)
         with pytest.raises(spmd.SpecError, match=msg):
-            spmd.shard_map(body, spmd.Mesh((2,), ("sp",)), P("sp"), P("sp"))(torch.ones(4))
+            spmd.shard_map(body, spmd.Mesh((2,), ("sp",), schedule="threads"), P("sp"),
+                           P("sp"))(torch.ones(4))
     # seeding and drawing outside rank threads is untouched, and the next run is clean
     torch.manual_seed(0)
     assert spmd.launch(lambda mesh: torch.rand(1).shape, (2,), ("sp",)) == [(1,), (1,)]

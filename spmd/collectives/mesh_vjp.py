@@ -1,0 +1,157 @@
+"""A ``custom_vjp`` call as ONE autograd node over every rank of a greenlet run.
+
+On the simulated mesh (``Mesh(schedule="greenlets")``) a ``shard_map`` body's ranks are
+greenlets of one thread. Each rank runs the rule's ``fwd`` itself (its collectives meet
+as usual); then the ranks meet, and the last to arrive makes one autograd node whose
+inputs are every rank's differentiable arguments and whose outputs are every rank's
+results. ``shard_map``'s backward is then one pass of torch's engine over all ranks'
+graphs, with no switching between ranks but inside these nodes: a node's backward runs
+each rank's ``bwd`` as a greenlet, so a ``bwd`` that calls collectives (every
+collective's transpose is one) meets the other ranks' there.
+
+Residuals are kept on the node (not ``save_for_backward``): they are freed after the
+backward unless the graph is retained, as saved tensors are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..comm.stats import in_backward
+
+__all__ = ["mesh_call"]
+
+
+def mesh_call(rule: Any, run: Any, args: tuple) -> Any:
+    """``rule(*args)`` on this rank, joined with the other ranks' calls into one node.
+
+    The ranks meet by position: each rank's k-th such call joins the others' k-th, which
+    may be another rule (a rank with an empty shard takes another path through an op
+    than its peers, with the same collectives)."""
+    with torch.no_grad():
+        out, res = rule.fwd(*args)
+    return run.meet("custom_vjp", (rule, args, out, res),
+                    lambda items: _node(run.mesh, items))
+
+
+class _Info:
+    __slots__ = ("mesh", "ranks", "items", "pos", "metas", "n_in", "n_outs")
+
+    def __init__(self, mesh, ranks, items, pos, n_in):
+        self.mesh, self.ranks, self.items, self.pos = mesh, ranks, items, pos
+        self.metas: list[tuple] = []  # every output's (shape, dtype, device), rank order
+        self.n_in = n_in
+        self.n_outs: dict[int, int] = {}
+
+
+def _node(mesh: Any, items: dict[int, tuple]) -> dict[int, Any]:
+    ranks = sorted(items)
+    flat_in: list[torch.Tensor] = []
+    pos: dict[int, list[int | None]] = {}
+    for r in ranks:
+        rule, args = items[r][0], items[r][1]
+        nondiff = rule.nondiff_argnums
+        p = []
+        for i, a in enumerate(args):
+            if i not in nondiff and isinstance(a, torch.Tensor) and a.requires_grad:
+                p.append(len(flat_in))
+                flat_in.append(a)
+            else:
+                p.append(None)
+        pos[r] = p
+    if not flat_in:
+        return {r: items[r][2] for r in ranks}
+    # Only what backward needs stays: the rule, the arguments' values for its
+    # nondiff_argnums and whether each needs a gradient, the residuals.
+    kept = {}
+    for r in ranks:
+        rule, args, out, res = items[r]
+        kept[r] = (rule, [args[i] for i in rule.nondiff_argnums],
+                   tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
+                   res, out)
+    outs = _MeshVJP.apply(_Info(mesh, ranks, kept, pos, len(flat_in)), *flat_in)
+    result, k = {}, 0
+    for r in ranks:
+        out = items[r][2]
+        n = len(out) if isinstance(out, tuple) else 1
+        mine = outs[k:k + n]
+        k += n
+        result[r] = tuple(mine) if isinstance(out, tuple) else mine[0]
+    return result
+
+
+class _MeshVJP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, info: _Info, *flat_in):
+        ctx.set_materialize_grads(False)
+        outs = []
+        for r in info.ranks:
+            rule, nd, needs, res, out = info.items[r]
+            mine = out if isinstance(out, tuple) else (out,)
+            info.n_outs[r] = len(mine)
+            for o in mine:
+                outs.append(o)
+                info.metas.append((o.shape, o.dtype, o.device))
+            info.items[r] = (rule, nd, needs, res, isinstance(out, tuple))
+        nondiff = [o for o in outs if not (o.is_floating_point() or o.is_complex())]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        ctx.info = info
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from ..comm.rank_greenlets import run_ranks
+        from ..mapping._graph import _keep_graph
+        from .vjp import _stash
+
+        info = ctx.info
+        if info is None:
+            raise RuntimeError("Trying to backward through the graph a second time (or "
+                               "directly access saved tensors after they have already been "
+                               "freed); specify retain_graph=True if you need to")
+        if not _keep_graph():
+            ctx.info = None
+        per, k = {}, 0
+        for r in info.ranks:
+            tup = info.items[r][4]
+            gs = []
+            for j in range(k, k + info.n_outs[r]):
+                g = grads[j]
+                if g is None:  # every rank runs its bwd: its collectives meet the others'
+                    shape, dt, dev = info.metas[j]
+                    g = torch.zeros(shape, dtype=dt, device=dev)
+                gs.append(g)
+            k += info.n_outs[r]
+            per[r] = tuple(gs) if tup else gs[0]
+        def one(r: int):
+            rule, nd, needs, res, _ = info.items[r]
+            name = rule.fun.__name__
+            prev = getattr(_stash, "needs", None)
+            _stash.needs = needs
+            try:
+                with in_backward():
+                    got = rule.bwd(*nd, res, per[r])
+            finally:
+                _stash.needs = prev
+            if not isinstance(got, (tuple, list)):
+                raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got "
+                                f"{type(got).__name__}")
+            n_diff = len(needs) - len(rule.nondiff_argnums)
+            if len(got) != n_diff:
+                raise TypeError(f"custom_vjp {name!r}: bwd returned {len(got)} gradients "
+                                f"for {n_diff} differentiable arguments")
+            return got
+
+        got = dict(zip(info.ranks, run_ranks(info.mesh, info.ranks, one)))
+        flat: list[torch.Tensor | None] = [None] * info.n_in
+        for r in info.ranks:
+            nondiff = info.items[r][0].nondiff_argnums
+            it = iter(got[r])
+            for i, p in enumerate(info.pos[r]):
+                g = None if i in nondiff else next(it)
+                if p is not None:
+                    flat[p] = g
+        return (None, *flat)
+

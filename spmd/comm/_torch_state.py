@@ -1,0 +1,144 @@
+"""One rank's share of torch's per-thread state, taken off the thread and put back at
+every switch between the rank greenlets of the simulated mesh (``rank_greenlets``).
+
+Ranks that run as greenlets share one OS thread, and torch keeps its modes in
+thread-local storage: without this, a ``torch.no_grad()`` entered by rank 0 before a
+collective would still hold when rank 1 runs, and convert's interpreter mode pushed by
+one rank would intercept another's calls. What moves with a rank: grad mode, inference
+mode, autocast (CPU and the accelerator), the saved-tensor hooks (activation
+checkpointing), the torch-function and torch-dispatch mode stacks, and the CPU random
+generator's state (each rank draws from its own, as a process does).
+
+torch has no public API to lift these stacks off a thread and restore them, so this
+module (and only this one) uses the ``torch._C`` calls the public context managers are
+built on. Each is read once, here; a torch without them fails at import with a message.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["RankState", "take", "put", "guards", "inside_guard"]
+
+_C = torch._C
+_auto = torch._C._autograd
+try:
+    _fn_len, _fn_pop, _fn_push = (_C._len_torch_function_stack, _C._pop_torch_function_stack,
+                                  _C._push_on_torch_function_stack)
+    _d_len, _d_pop, _d_push = (_C._len_torch_dispatch_stack, _C._pop_torch_dispatch_stack,
+                               _C._push_on_torch_dispatch_stack)
+    _h_top, _h_pop, _h_push = (_auto._top_saved_tensors_default_hooks,
+                               _auto._pop_saved_tensors_default_hooks,
+                               _auto._push_saved_tensors_default_hooks)
+    _Inference = _C._InferenceMode
+    _excluded, _included = _C._dispatch_tls_local_exclude_set, _C._dispatch_tls_local_include_set
+    _functorch = _C._are_functorch_transforms_active
+except AttributeError as e:  # pragma: no cover - a torch this module was not written for
+    raise ImportError(f"spmd's simulated mesh needs torch's mode-stack internals ({e}); "
+                      f"use Mesh(..., ranks='threads') or a torch >= 2.5") from None
+
+_default_gen = torch.default_generator
+
+
+def _autocast_types() -> tuple[str, ...]:
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") and \
+        torch.accelerator.is_available() else None
+    return ("cpu",) if acc is None else ("cpu", acc.type)
+
+
+_AUTOCAST = _autocast_types()
+
+
+class RankState:
+    """What ``take`` lifted off the thread: put it back with ``put``. ``rng``: the
+    generator state the rank draws from (None: the thread's own, shared)."""
+
+    __slots__ = ("grad", "fmodes", "dmodes", "hooks", "autocast", "inference", "rng", "seed")
+
+    def __init__(self, grad: bool = True, rng: torch.Tensor | None = None,
+                 seed: int | None = None):
+        self.grad = grad
+        self.fmodes: list[Any] = []
+        self.dmodes: list[Any] = []
+        self.hooks: list[tuple] = []
+        self.autocast: list[tuple[str, bool, torch.dtype]] | None = None
+        self.inference: Any = None
+        self.rng, self.seed = rng, seed
+
+
+def take(per_rank_rng: bool) -> RankState:
+    """Lift the calling thread's state (the running rank's) off it, leaving torch's
+    defaults: grad mode on, no modes, no hooks, no autocast."""
+    s = RankState(torch.is_grad_enabled())
+    if torch.is_inference_mode_enabled():
+        guard = _Inference(False)
+        guard.__enter__()
+        s.inference = guard
+    if per_rank_rng:
+        s.rng = _default_gen.get_state()
+    n = _fn_len()
+    if n:
+        s.fmodes = [_fn_pop() for _ in range(n)][::-1]
+    n = _d_len()
+    if n:
+        s.dmodes = [_d_pop() for _ in range(n)][::-1]
+    top = _h_top(True)
+    while top is not None:
+        s.hooks.append(top)
+        _h_pop()
+        top = _h_top(True)
+    s.hooks.reverse()
+    for dev in _AUTOCAST:
+        if torch.is_autocast_enabled(dev):
+            if s.autocast is None:
+                s.autocast = []
+            s.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
+            torch.set_autocast_enabled(dev, False)
+    if not s.grad:
+        torch.set_grad_enabled(True)
+    return s
+
+
+def put(s: RankState) -> None:
+    """Install a state ``take`` lifted (or a new rank's) on the calling thread, which
+    holds torch's defaults."""
+    if s.inference is not None:
+        guard, s.inference = s.inference, None
+        guard.__exit__(None, None, None)
+    if s.rng is not None:
+        _default_gen.set_state(s.rng)
+    elif s.seed is not None:  # a rank's first turn: its generator starts from its seed
+        _default_gen.manual_seed(s.seed)
+        s.seed = None
+    for m in s.fmodes:
+        _fn_push(m)
+    for m in s.dmodes:
+        _d_push(m)
+    for pack, unpack in s.hooks:
+        _h_push(pack, unpack)
+    if s.autocast:
+        for dev, on, dt in s.autocast:
+            torch.set_autocast_dtype(dev, dt)
+            torch.set_autocast_enabled(dev, on)
+    if not s.grad:
+        torch.set_grad_enabled(False)
+
+
+def guards() -> tuple:
+    """What torch's C++ guards set per thread and ``take`` cannot move: the dispatch keys
+    included and excluded locally (code compiled by torch.compile runs below autograd
+    with them changed), and whether a torch.func transform is active."""
+    return (_excluded(), _included(), _functorch())
+
+
+def inside_guard(baseline: tuple) -> str | None:
+    """What the calling rank is inside of that a switch to another rank would leak into
+    it (compared with ``baseline``, the thread's ``guards()`` between ranks), or None."""
+    ex, inc, fn = guards()
+    if fn and not baseline[2]:
+        return "a torch.func transform (grad, vmap, ...)"
+    if ex != baseline[0] or inc != baseline[1]:
+        return "code that runs below autograd or with dispatch keys changed (a function " \
+               "compiled with torch.compile, a custom op's kernel)"
+    return None

@@ -1,0 +1,275 @@
+"""Rank greenlets: run one function on every rank of a threads mesh, in the calling
+thread.
+
+Each rank is a greenlet; a rank runs until it waits in a collective, finishes or
+raises, and then the next rank runs. A collective completes when its last member
+arrives (``ThreadComm``'s rendezvous, unchanged), and its waiting members run again. A
+switch costs well under a microsecond, against tens of microseconds for a hand-off
+between OS threads (which also wait for an idle core), and nothing runs in parallel, so
+each rank's torch ops get every intra-op thread.
+
+Torch's per-thread state moves with each rank (``_torch_state``): grad and inference
+mode, autocast, saved-tensor hooks, mode stacks and, with ``rng="per_rank"``, the CPU
+generator. spmd's own per-rank state is in ``RankLocal`` storage, which is per greenlet.
+
+A rank that never reaches a collective the others wait in is known at once: when no
+rank can run, every waiting rank gets ``CommTimeout`` naming the ranks that did not
+arrive and what they did instead (returned, failed, or wait in another collective),
+without waiting for the mesh's timeout. What greenlets cannot do: run a rank while
+another blocks its OS thread (a body that waits on a queue another rank fills, or on a
+lock another rank holds, hangs): ``Mesh(..., schedule="threads")`` runs those ranks as
+threads.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from greenlet import getcurrent, greenlet
+
+from .. import random as _invariant
+from ..core._context import RankContext
+from ..core.errors import CommAborted, CommTimeout, tag_rank
+from ..core.mesh import Group, Mesh
+from . import comm_of
+from ._torch_state import RankState, guards, inside_guard, put, take
+from ..core.errors import SpecError
+from .threads import _axes, _tls
+
+__all__ = ["run_on_greenlets"]
+
+
+def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *,
+                     rank_rng: bool = False) -> list[Any]:
+    """Run ``fn(rank)`` for every rank of a threads mesh as greenlets of the calling
+    thread, with the rank context set; return the results in rank order.
+
+    The first failure (a rank that raised; ranks cancelled because of it come after) is
+    re-raised tagged with its rank once every rank has finished. ``rank_rng``: each
+    rank draws from a generator of its own, seeded by one draw of the caller's.
+
+    Example:
+        >>> mesh = spmd.Mesh((3,), ("sp",))
+        >>> run_on_greenlets(mesh, lambda r: r * 10)
+        [0, 10, 20]
+    """
+    comm = comm_of(mesh)
+    if not comm.run_lock.acquire(timeout=mesh.timeout):
+        raise CommTimeout(f"a per-rank program has been running on {mesh!r} for more than "
+                          f"{mesh.timeout:g} s in another thread; calls on one threads mesh "
+                          f"take turns", op="run_on_greenlets")
+    try:
+        seed = None
+        if rank_rng and mesh.size > 1:
+            with _invariant.paused():  # not one of the program's draws
+                seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        return _Run(mesh, fn, comm, range(mesh.size), seed).run()
+    finally:
+        comm.run_lock.release()
+
+
+def run_ranks(mesh: Mesh, ranks: Sequence[int], fn: Callable[[int], Any]) -> list[Any]:
+    """``fn(rank)`` for ``ranks`` of a threads mesh as greenlets (no lock taken, no
+    per-rank generators): the backward of a mesh-wide autograd node, inside a backward
+    that holds the mesh (``shard_map``'s). Results in the order of ``ranks``."""
+    run = _Run(mesh, fn, comm_of(mesh), ranks, None)
+    grad = torch.is_grad_enabled()  # off in a backward, unless it makes a graph
+    for st in run.states.values():
+        st.grad = grad
+    return run.run()
+
+
+def current_run() -> _Run | None:
+    """The greenlet run the calling rank belongs to, if any."""
+    return getattr(_tls, "green", None)
+
+
+class _Run:
+    """One per-rank program run: the greenlets, their torch states, and the waits."""
+
+    def __init__(self, mesh: Mesh, fn: Callable[[int], Any], comm: Any,
+                 ranks: Sequence[int], seed: int | None):
+        self.mesh, self.fn, self.comm = mesh, fn, comm
+        self.ranks = list(ranks)
+        self.results: dict[int, Any] = {}
+        self.errors: list[tuple[float, int, BaseException]] = []
+        self.per_rank_rng = seed is not None
+        self.states = {r: RankState(seed=None if seed is None else
+                                    (seed * 1_000_003 + r) % (2 ** 63 - 1))
+                       for r in self.ranks}
+        self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
+        self.main = getcurrent()
+        self.lets = {r: greenlet(self._body, parent=self.main) for r in self.ranks}
+        # rank -> (group, slot, name) of the collective it waits in
+        self.waiting: dict[int, tuple[Group, Any, str]] = {}
+        # rank -> the meeting point (``meet``) it waits at
+        self.meeting: dict[int, _Point] = {}
+        self.points: dict[tuple, _Point] = {}
+        self.counts: dict[tuple, int] = {}
+        self.throw: dict[int, BaseException] = {}
+
+    def run(self) -> list[Any]:
+        self.generation = self.comm.begin()
+        caller = take(self.per_rank_rng)
+        self.baseline = guards()
+        try:
+            self.loop()
+        finally:
+            put(caller)
+        if self.errors:
+            # A rank cancelled because another failed is a symptom; report the cause.
+            errs = sorted(self.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+            _, rank, exc = errs[0]
+            raise tag_rank(exc, rank)
+        return [self.results[r] for r in self.ranks]
+
+    def _body(self, rank: int) -> None:
+        _tls.run = (self.comm, self.generation)
+        _tls.green = self
+        _tls.green_rank = rank
+        try:
+            with RankContext(self.mesh, rank), _invariant.on_rank_thread(self.stream, rank):
+                self.results[rank] = self.fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            self.errors.append((time.monotonic(), rank, e))
+            self.comm.abort(e, self.generation, rank)
+
+    def meet(self, key: Any, item: Any, build: Callable[[dict[int, Any]], dict[int, Any]]
+             ) -> Any:
+        """Wait until every rank of the run called ``meet`` with ``key`` as often as this
+        one, then ``build`` (run once, by the last to arrive) maps every rank's ``item``
+        to its result; return this rank's. Ranks that never arrive (a call made on some
+        ranks only) are left out once no rank can run: ``build`` then gets the others."""
+        rank = _tls.green_rank
+        n = self.counts.get((rank, key), 0)
+        self.counts[(rank, key)] = n + 1
+        pt = self.points.get((key, n))
+        if pt is None:
+            pt = self.points[(key, n)] = _Point((key, n), build)
+        pt.items[rank] = item
+        if len(pt.items) == len(self.ranks):
+            self._form(pt)
+        while not pt.done:
+            if self.comm._aborted is not None:
+                raise CommAborted(f"rank {rank}: cancelled because another rank failed "
+                                  f"({self.comm._aborted!r})")
+            self.meeting[rank] = pt
+            self.main.switch()
+        if pt.error is not None:
+            raise pt.error
+        return pt.results[rank]
+
+    def _form(self, pt: _Point) -> None:
+        self.points.pop(pt.key, None)
+        try:
+            pt.results = pt.build(pt.items)
+        except BaseException as e:  # noqa: BLE001 - raised on every rank that met
+            pt.error = e
+        pt.items, pt.done = None, True
+
+    def block(self, rank: int, group: Group, slot: Any, name: str) -> None:
+        """Called by a rank waiting in a collective: run the other ranks until this one
+        can go on (its slot is done, failed, or the run aborted)."""
+        self.waiting[rank] = (group, slot, name)
+        self.main.switch()
+
+    def _ready(self, rank: int) -> bool:
+        if rank in self.throw:
+            return True
+        pt = self.meeting.get(rank)
+        if pt is not None:
+            return pt.done or self.comm._aborted is not None
+        w = self.waiting.get(rank)
+        if w is None:
+            return True
+        slot = w[1]
+        return slot.done or slot.error is not None or self.comm._aborted is not None
+
+    def loop(self) -> None:
+        live = list(self.ranks)
+        while live:
+            ran = False
+            for r in list(live):
+                if not self._ready(r):
+                    continue
+                self.waiting.pop(r, None)
+                self.meeting.pop(r, None)
+                self._turn(r)
+                ran = True
+                if self.lets[r].dead:
+                    live.remove(r)
+            if not ran:
+                self._stuck(live)
+
+    def _turn(self, r: int) -> None:
+        """Run rank ``r`` until it waits, finishes or fails; then lift its torch state."""
+        put(self.states[r])
+        exc = self.throw.pop(r, None)
+        try:
+            if exc is None:
+                self.lets[r].switch(r)  # a new greenlet's argument; else ignored
+            else:
+                self.lets[r].throw(exc)
+        finally:
+            self.states[r] = take(self.per_rank_rng)
+        while not self.lets[r].dead:
+            # A rank may wait (and let another run) only where torch's per-thread state
+            # is what ``take`` lifts: inside a C++ guard it is not, and the next rank
+            # would run under this one's guard. It gets the error where it waits, with
+            # its state back, so the guard unwinds on it.
+            inside = inside_guard(self.baseline)
+            if inside is None:
+                return
+            w = self.waiting.pop(r, None)
+            pt = self.meeting.pop(r, None)
+            what = w[2] if w is not None else "a custom_vjp rule" if pt is not None else "it"
+            put(self.states[r])
+            try:
+                self.lets[r].throw(SpecError(
+                    f"{what} on rank {r}: the simulated mesh switches to another rank at "
+                    f"each collective, which it cannot do inside {inside}; run this "
+                    f"shard_map with Mesh(..., schedule='threads') (a thread per rank), or "
+                    f"call the collective outside it"))
+            finally:
+                self.states[r] = take(self.per_rank_rng)
+
+    def _stuck(self, live: list[int]) -> None:
+        """No rank can run: every live one waits in a collective some member of its group
+        never reaches. Each gets CommTimeout naming them and what they did instead."""
+        pending = {id(pt): pt for pt in self.meeting.values() if not pt.done}
+        if pending:  # a meeting some ranks never come to: the others go on without them
+            self._form(next(iter(pending.values())))
+            return
+        failed = {r for _, r, _ in self.errors}
+        for r in live:
+            group, slot, name = self.waiting[r]
+            missing = tuple(m for m, a in zip(group.ranks, slot.arrived) if not a)
+            why = []
+            for m in missing:
+                if m in failed:
+                    why.append(f"rank {m} failed")
+                elif m in self.waiting:
+                    g2, _, n2 = self.waiting[m]
+                    why.append(f"rank {m} waits in {n2} over {_axes(g2)}")
+                else:
+                    why.append(f"rank {m} returned without calling it")
+            self.throw[r] = CommTimeout(
+                f"{name} over {_axes(group)} on rank {group.rank}: ranks {list(missing)} of "
+                f"the group {list(group.ranks)} did not arrive ({'; '.join(why)}); every "
+                f"rank must run the same collectives in the same order",
+                op=name, axes=group.axes, missing=missing)
+
+
+class _Point:
+    """A meeting of the ranks (``_Run.meet``): their items, and once built, results."""
+
+    __slots__ = ("key", "build", "items", "results", "error", "done")
+
+    def __init__(self, key: tuple, build: Callable[[dict[int, Any]], dict[int, Any]]):
+        self.key, self.build = key, build
+        self.items: dict[int, Any] | None = {}
+        self.results: dict[int, Any] = {}
+        self.error: BaseException | None = None
+        self.done = False
