@@ -287,10 +287,11 @@ class _Run:
     def execute_plain(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
 
-    def record(self, kind: str, c: rules.Call, detail: str = "") -> None:
+    def record(self, kind: str, c: rules.Call, detail: str = "", step: bool = True) -> None:
+        """An entry of the plan; ``step``: a step a real call checks (``steps.py``)."""
         if self.plan is not None:
             self.plan.entries.append(_Entry(kind, self.where(), _describe(c), detail))
-        if kind in steps.STEP_KINDS:
+        if step and kind in steps.STEP_KINDS:
             steps.step(self, kind, _describe(c))
 
     def module_at(self) -> torch.nn.Module | None:

@@ -97,3 +97,33 @@ def test_ranks_that_agree_with_the_plan_run_as_one_device():
     torch.testing.assert_close(y, net(x))
     assert [c for _, c, _ in model.spmd_plan.steps] == [
         "torch.conv2d", "mean", "torch.conv2d"]
+
+
+def _leave_on_processes(mesh, x, mode):
+    """Per-rank (gloo processes): plan with every rank "plain", then rank 1 runs ``mode``;
+    each rank's outcome, as on threads."""
+    model = spmd.nn.convert(Branchy().double(), mesh, H)
+    spmd.shard_map(model, mesh, H, H)(x)
+    model.mode = mode if mesh.rank == 1 else "plain"
+    try:
+        spmd.shard_map(model, mesh, H, H)(x)
+    except Exception as e:  # noqa: BLE001 - each rank's own outcome is the result
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.gloo
+def test_a_rank_that_leaves_the_plan_raises_and_the_other_stops_gloo():
+    from spmd.run.processes import ProcessPool
+    x = torch.randn(2, 1, 11, 5, dtype=F64)
+    # A pool of its own: the processes' groups are spent after a rank left (timeout 20 s:
+    # a CommTimeout would be the other outcome)
+    with ProcessPool(2, timeout=20) as pool:
+        got = pool.run(_leave_on_processes, (2,), ("sp",), args=(x, "extra"))
+    kind, msg = got[1]
+    assert kind == "SpecError" and "rank 1 left the plan of Branchy's forward at its " \
+        "communicating step #1: it is about to run mean" in msg
+    kind, msg = got[0]
+    assert kind == "CommAborted", got[0]
+    assert "rank 1 left the converted model's plan at its communicating step #1 and " \
+        "raised there" in msg and "rank 0 stops here instead of waiting for it" in msg

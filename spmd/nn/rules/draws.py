@@ -164,7 +164,7 @@ def rule_for(name: str, base: Callable) -> Callable:
             if _shares(c, entries[:lead]):
                 c.record("swapped", "(sample, channel) mask -> the stream the ranks share"
                          if name in _FEATURE else "drawn alike by the ranks holding the same "
-                         "block -> the stream they share")
+                         "block -> the stream they share", step=False)  # in the plan only
             return base(c)
         inv = invariant.active()
         if inv is not None:
