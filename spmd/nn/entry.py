@@ -296,7 +296,9 @@ class Enter:
             name = self.path.strip("'")
             frame.watch = (name, state.snapshot(module, self.cfg.is_opaque), plan.incomplete)
         run = _Run(self.cfg, planning=False)
-        run.expected = plan
+        # a forward that changes its own state (a step counter, a first-call set-up) may
+        # take another path on a later call than in its plan: its steps are not checked
+        run.expected = None if plan.changes else plan
         if plan.thread_local:
             run.views = state.Views(module, plan.changes)
         run.start()

@@ -126,7 +126,7 @@ def replicated(run: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
             problem = invariant.IN_CHECKPOINT
         run.record("refused" if problem else "swapped", c,
                    f"{problem}; {_SHARED_FIX}" if problem else
-                   "replicated draw -> the stream the ranks share")
+                   "replicated draw -> the stream the ranks share", step=False)  # plan only
         return run.execute(func, args, kwargs)
     if invariant.active() is not None:  # global index = local index: the context does it
         return run.execute(func, args, kwargs)
