@@ -23,7 +23,7 @@ nothing is checked.
     >>> s = spmd.P(None, None, "sp")
     >>> net = spmd.nn.convert(Net(), mesh, s, example=(1, 1, 8, 4))
     >>> [(k, c) for k, c, _ in net.spmd_plan.steps]
-    [('swapped', 'torch.conv2d'), ('swapped', 'torch.mean')]
+    [('swapped', 'torch.conv2d'), ('swapped', 'mean')]
 """
 from __future__ import annotations
 
