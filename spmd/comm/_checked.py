@@ -24,6 +24,36 @@ __all__ = ["_Checked"]
 class _Checked:
     """The envelope paths; mixed into ``TorchComm``."""
 
+    def leave(self, rank: int, step: int, exc: BaseException) -> None:
+        """This rank stops in the middle of a program (``rank`` left a converted model's
+        plan at ``step``; ``exc``: why): every group it opened gets its next call from
+        this rank as a ``left`` envelope, both ways, since the others may wait in either
+        transport: an all_gather of envelopes, and point to point (the envelope and a
+        plan of -1, ``_p2p.py``). The others raise ``CommAborted`` naming ``rank`` and
+        pass it on. Nothing is waited for: the process group is spent, as after any
+        failure in the middle of a program."""
+        import torch.distributed as dist
+        kept = self.__dict__.setdefault("_left_behind", [])
+        for group, rec in list(self._recs.items()):
+            if group.size == 1:
+                continue
+            seq = self._progress.counts.get(rec.key, 0)
+            env = _envelope.leave_envelope(seq, rank, step, self.mesh.device)
+            out = torch.empty(group.size * _envelope.SIZE, dtype=torch.uint8,
+                              device=env.device)
+            plan = torch.full((1,), -1, dtype=torch.int64, device=env.device)
+            tag = _envelope.tag_of(seq)
+            works = []
+            try:
+                works.append(_all_gather_single(out, env, group=rec.pg, async_op=True))
+                for m, r in enumerate(group.ranks):
+                    if m != group.index:
+                        works += [dist.isend(env, r, group=rec.pg, tag=tag),
+                                  dist.isend(plan, r, group=rec.pg, tag=tag + _envelope.PLAN_TAG)]
+            except RuntimeError:
+                pass  # a peer already gone: it does not wait
+            kept.append((env, out, plan, works))
+
     def _gathered(self, x, op, group, rec, seq, name):
         """A small reduction as one all_gather of every member's envelope (the head and
         the payload inline, ``_envelope.py``), reduced locally: gloo's ring all-reduce of

@@ -36,7 +36,11 @@ size, and read each other's heads:
 
 Calls of different transports (an all_gather of envelopes against a point-to-point one)
 never meet: they time out, and the
-timeout names the call each other rank waits in (``_groups.py``).
+timeout names the call each other rank waits in (``_groups.py``). A rank that stops in
+the middle of a program on purpose (``spmd.nn.convert``'s run left its plan) sends each
+group's next call both ways, as an envelope of kind ``left`` (``EXTRA``: the rank that
+left and its step, ``leave_envelope``): the others raise ``CommAborted`` naming that
+rank, whichever transport they wait in.
 
 No extra round trip but for the ring reductions: the head travels in the message that
 would carry the data anyway (the payload of a large transfer follows its envelope without
@@ -48,12 +52,12 @@ from __future__ import annotations
 import torch
 
 from ..core._format import shape_str
-from ..core.errors import CommError
+from ..core.errors import CommAborted, CommError
 from ..core.mesh import Group
 from ._meta import _DTYPES, _OPCODES, _OPNAMES, _ROW, _axes, _extra, _row_of
 
 __all__ = ["SIZE", "INLINE", "HEAD", "head_of", "pack", "heads_of", "check_all", "check_from",
-           "tag_of"]
+           "tag_of", "leave_envelope", "LEFT"]
 
 MAGIC_VALUE = 0x53504D44  # "SPMD"
 MAGIC, KIND, SEQ, EXTRA, NBYTES, ROW = range(6)
@@ -151,6 +155,29 @@ def _order(name: str, group: Group, ra: int, ha: list[int], rb: int, hb: list[in
     return None
 
 
+LEFT = _OPCODES["left"]
+
+
+def leave_envelope(seq: int, rank: int, step: int, device) -> torch.Tensor:
+    """The envelope a rank that stops sends as call ``seq``: ``rank`` left a plan at
+    ``step``."""
+    return pack(head_of("left", seq, (rank << 32) | (step & 0xFFFFFFFF), (0,), torch.uint8,
+                        "leave"), None, device)
+
+
+def _left(name: str, group: Group, src: int, h: list[int]) -> CommAborted:
+    """The error of a rank that received ``left`` from ``src``."""
+    origin, step = h[EXTRA] >> 32, h[EXTRA] & 0xFFFFFFFF
+    via = "" if origin == src else f" (rank {src} passed it on)"
+    e = CommAborted(f"{name} over {_axes(group)}: rank {origin} left the converted model's "
+                    f"plan at its communicating step #{step} and raised there (its SpecError "
+                    f"names the line and the step the plan expected){via}; rank {group.rank} "
+                    f"stops here instead of waiting for it", op=name, axes=group.axes,
+                    missing=(origin,))
+    e.plan_left = (origin, step)
+    return e
+
+
 def check_all(heads: list[list[int]], group: Group, name: str, *, skip_dim: int | None = None,
               sizes: tuple[int, ...] | None = None) -> None:
     """Every member's head (member order) against member 0's; the first difference is a
@@ -161,6 +188,8 @@ def check_all(heads: list[list[int]], group: Group, name: str, *, skip_dim: int 
     for i, h in enumerate(heads):
         if h[MAGIC] != MAGIC_VALUE:
             raise _foreign(name, group, ranks[i])
+        if h[KIND] == LEFT:
+            raise _left(name, group, ranks[i], h)
     h0 = heads[0]
     for i, h in enumerate(heads[1:], 1):
         e = _order(name, group, ranks[0], h0, ranks[i], h)
@@ -195,6 +224,8 @@ def check_from(head: list[int], mine: list[int], src: int, group: Group, name: s
     number, argument, dtype and (``shape``) shape must be equal."""
     if head[MAGIC] != MAGIC_VALUE:
         raise _foreign(name, group, src)
+    if head[KIND] == LEFT:
+        raise _left(name, group, src, head)
     e = _order(name, group, group.rank, mine, src, head)
     if e is not None:
         raise e

@@ -17,7 +17,8 @@ from .base import REDUCE_OPS
 _MAXDIM = 16
 _ROW = 3 + _MAXDIM  # dtype code, ndim, numel, shape padded with -1
 _OPCODES = {"all_reduce": 1, "all_gather": 2, "reduce_scatter": 3, "all_to_all": 4,
-            "permute": 5, "broadcast": 6, "barrier": 7, "scatter": 8}
+            "permute": 5, "broadcast": 6, "barrier": 7, "scatter": 8,
+            "left": 9}  # not a collective: a rank that stops tells the others (LEFT)
 _OPNAMES = {v: k for k, v in _OPCODES.items()}
 # Every dtype torch knows, in a fixed order: the same codes in every process.
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)

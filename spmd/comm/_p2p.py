@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.errors import CommError
-from ._envelope import (HEAD, INLINE, MAGIC, MAGIC_VALUE, NBYTES, PLAN_TAG, SIZE, as_tensor,
+from ._envelope import (HEAD, INLINE, KIND, LEFT, MAGIC, MAGIC_VALUE, NBYTES, PLAN_TAG, SIZE,
+                        as_tensor,
                         pack, payload_of, tag_of)
 from ._meta import _bytes
 
@@ -133,7 +134,10 @@ class _Flight:
         disagreement: a message left behind would meet a later call. Heads that are not
         spmd's announce nothing to trust: then nothing is received."""
         try:
-            if all(h[MAGIC] == MAGIC_VALUE for h in self.heads().values()):
+            heads = self.heads().values()
+            if any(h[KIND] == LEFT for h in heads):
+                return  # a peer stopped: it sends nothing more, and this rank stops too
+            if all(h[MAGIC] == MAGIC_VALUE for h in heads):
                 self.finish(keep=False)
             else:
                 self.settle()

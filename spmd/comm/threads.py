@@ -201,6 +201,13 @@ class ThreadComm:
             for slot in self._slots.values():
                 slot.cond.notify_all()
 
+    def leave(self, rank: int, step: int, exc: BaseException) -> None:
+        """Rank ``rank`` stops (a converted model's run left its plan at ``step``): the
+        run's pending and later collectives raise ``CommAborted`` naming it."""
+        run = getattr(_tls, "run", None)
+        if run is not None and run[0] is self:
+            self.abort(exc, run[1], rank)
+
     # -- the protocol -------------------------------------------------------------------
     # Validation and reductions run once per collective (in ``combine``); each rank
     # then takes a private copy, so no result aliases another rank's tensors.

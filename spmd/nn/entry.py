@@ -22,7 +22,7 @@ from ..core.errors import SpecError
 from ..core.mesh import Mesh
 from ..core.spec import P
 from ..ops._window import input_layout
-from . import flow, state
+from . import flow, state, steps
 from .backward import clean, recomputed_state
 from .hooks import backward_hooks_problem, late_hooks
 from ._tags import entries_from_spec, entries_of, set_tag, spec_of, tag_of
@@ -296,6 +296,9 @@ class Enter:
             name = self.path.strip("'")
             frame.watch = (name, state.snapshot(module, self.cfg.is_opaque), plan.incomplete)
         run = _Run(self.cfg, planning=False)
+        # a forward that changes its own state (a step counter, a first-call set-up) may
+        # take another path on a later call than in its plan: its steps are not checked
+        run.expected = None if plan.changes else plan
         if plan.thread_local:
             run.views = state.Views(module, plan.changes)
         run.start()
@@ -327,6 +330,7 @@ class Enter:
             if run.plan is not None:
                 run.plan.entries.append(_Entry("allowed", run.where(), type(module).__name__,
                                                "(not looked into)"))
+            steps.step(run, "allowed", type(module).__name__)
         return args, kwargs
 
 
@@ -346,7 +350,17 @@ class Exit:
             finally:
                 run.internal -= 1
         if frame.run is not None:
-            frame.run.stop()
+            failed = sys.exc_info()[1] if output is None else None
+            try:
+                if failed is None:
+                    steps.finished(frame.run)
+            except SpecError as e:
+                failed = e
+                raise
+            finally:
+                frame.run.stop()
+                if failed is not None:
+                    steps.leave(frame.run, failed)
             if frame.run.views is not None and not (output is None and sys.exc_info()[0]):
                 state.commit(frame.run)
         if frame.watch is not None:

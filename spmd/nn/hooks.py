@@ -100,6 +100,7 @@ def tensor_hook(c: Any) -> Any:
     if run.planning:
         g = torch.empty(h.shape, dtype=h.dtype, device="meta")
         set_tag(g, run.mesh, entries)
+        run.aside += 1
         try:
             with run.mode:
                 out = fn(g)
@@ -113,6 +114,8 @@ def tensor_hook(c: Any) -> Any:
             if problem:
                 run.plan.entries.append(_Entry("refused", where, "x.register_hook(fn):",
                                                "fn " + problem))
+        finally:
+            run.aside -= 1
     args = (c.args[0], hook) + tuple(c.args[2:])
     kwargs = {k: v for k, v in c.kwargs.items() if k != "hook"}
     return c.call(args=args, kwargs=kwargs)

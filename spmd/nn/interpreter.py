@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core import _context
 from ..core.errors import SpecError
-from . import rules
+from . import rules, steps
 from ._shared import _Entry, _flat, _local
 from .backward import Regions, converts
 from .rules import draws
@@ -97,6 +97,8 @@ class Plan:
     thread_local: bool = False
     #: (where, layout): the inputs' and every layer's split outputs' global layouts.
     layouts: list[tuple[str, str]] = field(default_factory=list)
+    #: (kind, call, where) of every step a real call must run in this order (``steps.py``).
+    steps: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def refused(self) -> list[_Entry]:
@@ -205,6 +207,9 @@ class _Run:
         self.in_backward = False
         self.regions = Regions(self)  # the forward's activation-checkpoint regions
         self.deferred: dict = {}  # pads joined with the conv that follows (rules.windows)
+        self.expected: Plan | None = None  # a real call: the plan whose steps it runs
+        self.step = 0  # the next of them
+        self.aside = 0  # a plan runs a tensor hook's calls: not steps of the forward
 
     # -- entering and leaving -------------------------------------------------------------
 
@@ -282,9 +287,12 @@ class _Run:
     def execute_plain(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         return fn(*args, **kwargs)
 
-    def record(self, kind: str, c: rules.Call, detail: str = "") -> None:
+    def record(self, kind: str, c: rules.Call, detail: str = "", step: bool = True) -> None:
+        """An entry of the plan; ``step``: a step a real call checks (``steps.py``)."""
         if self.plan is not None:
             self.plan.entries.append(_Entry(kind, self.where(), _describe(c), detail))
+        if step and kind in steps.STEP_KINDS:
+            steps.step(self, kind, _describe(c))
 
     def module_at(self) -> torch.nn.Module | None:
         """The innermost layer whose forward is running (None outside any)."""

@@ -113,3 +113,44 @@ def test_models_with_attention_are_exact(name):
     x = _x(1, 2, 38, 16)
     got = _converted(model, x, **kw)
     torch.testing.assert_close(got, _sample(model(x, **kw)), rtol=0, atol=1e-12)
+
+
+def _fno(kind, **kw):
+    """neuraloperator's FNO or TFNO, small, float64 (its complex weights follow torch's
+    default dtype), without positional embedding."""
+    models = pytest.importorskip("neuralop.models")
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(F64)
+    try:
+        torch.manual_seed(0)
+        return getattr(models, kind)(n_modes=(4, 4), in_channels=1, out_channels=1,
+                                     hidden_channels=8, n_layers=2,
+                                     positional_embedding=None, **kw).eval()
+    finally:
+        torch.set_default_dtype(prev)
+
+
+@pytest.mark.parametrize("kind", ["FNO", "TFNO"])
+def test_neuraloperator_fno_is_refused_where_it_keeps_the_low_modes(kind):
+    # its SpectralConv slices the low modes of a spectrum that the FFT split along its
+    # frequencies: the modes other ranks hold (spmd.nn.SpectralConv2d is that layer on
+    # shards, with weights of its own)
+    with pytest.raises(spmd.SpecError) as e:
+        _converted(_fno(kind), _x(1, 1, 37, 12))
+    msg = str(e.value)
+    assert "1 call(s) in " + kind + "'s forward would be wrong on shards" in msg
+    assert "in 'fno_blocks.convs.0' (spectral_convolution.py:" in msg
+    assert "indexing x[...] slices dim 3, which is split over 'sp' (a spectrum split along " \
+        "its frequencies by the FFT before: keeping low modes needs the modes other ranks " \
+        "hold)" in msg
+
+
+def test_neuraloperator_domain_padding_is_refused():
+    # DomainPadding pads by a fraction of the size it is given: Python makes a rank's
+    # share of the rows a plain number, and the layer stores its paddings in forward
+    with pytest.raises(spmd.SpecError) as e:
+        _converted(_fno("FNO", domain_padding=0.25), _x(1, 1, 37, 12))
+    msg = str(e.value)
+    assert "in FNO (padding.py:" in msg and \
+        "F.pad is given a number computed from a split dim's size" in msg
+    assert "in FNO.domain_padding: self._padding changes the attribute (dict) in forward" in msg

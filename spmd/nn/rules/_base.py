@@ -59,8 +59,8 @@ class Call:
         flow.assign(self, result, sizes, found)
         return result
 
-    def record(self, kind: str, detail: str = "") -> None:
-        self.run.record(kind, self, detail)
+    def record(self, kind: str, detail: str = "", step: bool = True) -> None:
+        self.run.record(kind, self, detail, step)
 
     def refuse(self, problem: str, fix: str = "") -> None:
         raise Refused(problem, fix)

@@ -126,7 +126,7 @@ def replicated(run: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
             problem = invariant.IN_CHECKPOINT
         run.record("refused" if problem else "swapped", c,
                    f"{problem}; {_SHARED_FIX}" if problem else
-                   "replicated draw -> the stream the ranks share")
+                   "replicated draw -> the stream the ranks share", step=False)  # plan only
         return run.execute(func, args, kwargs)
     if invariant.active() is not None:  # global index = local index: the context does it
         return run.execute(func, args, kwargs)
@@ -164,7 +164,7 @@ def rule_for(name: str, base: Callable) -> Callable:
             if _shares(c, entries[:lead]):
                 c.record("swapped", "(sample, channel) mask -> the stream the ranks share"
                          if name in _FEATURE else "drawn alike by the ranks holding the same "
-                         "block -> the stream they share")
+                         "block -> the stream they share", step=False)  # in the plan only
             return base(c)
         inv = invariant.active()
         if inv is not None:
