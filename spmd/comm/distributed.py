@@ -146,7 +146,7 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         extreme = wop == "max" and x.is_floating_point()
         # One buffer: [NaN flag (float max/min) | the payload as the wire reduces it]
         lead = int(extreme)
-        wire = _reducible(torch.empty(0, dtype=x.dtype, device="meta")).dtype
+        wire = _wire_dtype(x.dtype)
         per = 2 if x.dtype.is_complex else 1
         buf = torch.empty(lead + per * x.numel(), dtype=wire, device=x.device)
         body = buf[lead:]
@@ -569,6 +569,17 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         if self._zero is None:
             self._zero = torch.zeros(1, device=self.mesh.device)
         self._call(dist.all_reduce, name, group, rec, seq, self._zero)  # stays zero
+
+
+_WIRE: dict[torch.dtype, torch.dtype] = {}
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a process group reduces ``dtype`` as (``_reducible``), found once."""
+    w = _WIRE.get(dtype)
+    if w is None:
+        w = _WIRE[dtype] = _reducible(torch.empty(0, dtype=dtype, device="meta")).dtype
+    return w
 
 
 def _pieces(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple, int]]:
