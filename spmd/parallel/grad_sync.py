@@ -29,6 +29,7 @@ from ..core._context import in_rank_of
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, check_mesh
+from .agreement import changed_error, check_plan, plan_fingerprint, plan_summary
 from .arguments import check_axes, check_varying
 from .buckets import Bucket, BucketInfo, MiB, assign
 from .param_set import ParamSet
@@ -231,6 +232,13 @@ class GradSync:
         self._order: list[int] | None = [] if learn_order else None  # the first ready order
         self._seen: set[int] = set()
         self._build(list(reversed(range(len(self._params)))))
+        try:  # every rank's buckets alike, per group that reduces them, before any starts
+            for axes, g in self._groups.items():
+                check_plan(mesh, g, self._fingerprint(axes), learn_order,
+                           lambda axes=axes: self._summary(axes), what, name)
+        except BaseException:
+            self.close()
+            raise
         # The hooks keep the GradSync alive as long as the parameters live.
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_hook(self, i)))
@@ -266,6 +274,24 @@ class GradSync:
                                 self._axes_of[idx[0]]) for idx in plan]
         self._where: dict[int, tuple[Bucket, int]] = {
             i: (b, j) for b in self._buckets for j, i in enumerate(b.index)}
+
+    def _plan_of(self, axes: tuple[str, ...]) -> tuple[list[tuple], list[list[int]]]:
+        """The parameters (name, shape, dtype, axes) and the buckets (in launch order, as
+        positions in that list) that are reduced over ``axes``."""
+        buckets = [b.index for b in self._buckets if b.axes == axes]
+        mine = sorted(i for b in buckets for i in b)
+        at = {i: k for k, i in enumerate(mine)}
+        params = [(self._names[i], tuple(self._params[i].shape), self._params[i].dtype, axes)
+                  for i in mine]
+        return params, [[at[i] for i in b] for b in buckets]
+
+    def _fingerprint(self, axes: tuple[str, ...]) -> int:
+        """The fingerprint (``agreement.py``) of what fixes the size of every bucket
+        reduced over ``axes``, and the ops of those axes."""
+        return plan_fingerprint({a: self.axes[a] for a in axes}, *self._plan_of(axes))
+
+    def _summary(self, axes: tuple[str, ...]) -> str:
+        return plan_summary(*self._plan_of(axes), self._order is not None)
 
     def _rebuild(self) -> None:
         """Adopt rank 0's ready order (so every rank has the same plan), once."""
@@ -389,9 +415,11 @@ class GradSync:
         with torch.no_grad(), in_backward():
             for b in self._buckets:
                 b.work.wait()
-            changed = int(torch.cat([b.alarm for b in self._buckets]).max().item())
-            if changed:
-                self._refuse_changed(changed)
+            alarms = [int(a) for a in torch.cat([b.alarm for b in self._buckets]).tolist()]
+            if max(alarms):
+                self._refuse_changed(max(alarms), next(
+                    (a for a, b in zip(alarms, self._buckets) if b.axes == self.group.axes),
+                    None))
             for b in self._buckets:
                 local = [self._used[i] for i in b.index]
                 used = local if all(local) else [f > 0 for f in b.flags.tolist()]
@@ -414,26 +442,18 @@ class GradSync:
             if self._order is not None:
                 self._rebuild()
 
-    def _refuse_changed(self, changed: int) -> None:
+    def _refuse_changed(self, changed: int, full: int | None) -> None:
         """A rank of a bucket's group changed its synchronised parameters: drop this
-        backward's gradients (nothing was reduced) and raise, on every rank of the group."""
+        backward's gradients (nothing was reduced) and raise, on every rank of the group.
+        ``full``: the alarm of a bucket over every synchronised axis (None: no such
+        bucket), the same on every rank of ``self.group``: where it is set, they all
+        exchange what changed, so that each names it."""
         for b in self._buckets:
             b.reset()
         self._dirty, self._reduced, self._next, self._early = False, False, 0, 0
         self._used = [False] * len(self._params)
-        axes = ", ".join(repr(a) for a in self.axes)
-        fix = ("the synchronised parameters (their count, names, shapes, dtypes and order) "
-               "are fixed when GradSync is built, and a change would leave gradients "
-               "unreduced or misplaced; build a new GradSync after changing the model "
-               "(close() the old one), or set requires_grad before building it")
-        if self._change:
-            raise SpecError(f"{self._what}: {self._change} after GradSync was built (rank "
-                            f"{self.rank}); {fix}")
-        raise SpecError(
-            f"{self._what}: the synchronised parameters changed after GradSync was built on "
-            f"{changed} other rank{'s' * (changed > 1)} of axis{'es' * (len(self.axes) > 1)} "
-            f"{axes} (this is rank {self.rank}); {'their errors name' if changed > 1 else 'its error names'} "
-            f"the parameter. {fix[0].upper()}{fix[1:]}")
+        raise SpecError(changed_error(self.mesh, self.group if full else None, self._change,
+                                      changed, self.axes, self._what, self.name))
 
     def _at_end(self) -> None:
         """The end-of-backward callback."""
