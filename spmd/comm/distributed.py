@@ -48,7 +48,8 @@ carry the data (no extra round trip but before a ring reduction), for CPU tensor
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
 small collective (a round trip): ``all_reduce_async`` (GradSync's buckets, reduced in
-place, carry no envelope), broadcast, a permute's disagreement on a rank that
+place, carry no envelope; GradSync compares the plan their sizes follow from when it is
+built, ``spmd/parallel/agreement.py``), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
 all_gather of envelopes, point-to-point envelopes) never meet: they

@@ -7,11 +7,12 @@ and a check per bucket would cost a round trip per bucket). Its size follows fro
 plan: the synchronised parameters (names, shapes, dtypes, the axes each is reduced
 over) and the buckets made from them (caps, axes, order). So:
 
-- ``check_plan``, once when GradSync is built (and after the order is learned): one
-  small all_gather over the mesh of ``[plan fingerprint, learning the order]``. Ranks
-  whose plans differ (a parameter that requires grad on one rank only, another
+- ``check_plan``, once when GradSync is built: one small all_gather of ``[plan
+  fingerprint, learning the order]`` over each group that reduces buckets. Ranks whose
+  plans differ (a parameter that requires grad on one rank only, another
   ``bucket_cap_mb``, another ``learn_order``) raise a ``SpecError`` on every rank, each
-  naming every rank's plan, before any bucket exists.
+  naming every rank's plan, before any bucket exists. The plan learned after the first
+  backward is built from rank 0's order, broadcast: the same on every rank again.
 - At every synchronised backward, with no round trip of its own: a parameter added,
   removed, replaced or reshaped afterwards (``param_set.py``) sets the *alarm* element
   that rides in every bucket's all-reduce (``buckets.py``; the bucket sizes are the

@@ -117,12 +117,16 @@ class GradSync:
         - Double backward (``create_graph=True``), reentrant backward passes that
           accumulate parameter gradients (``torch.utils.checkpoint`` with
           ``use_reentrant=True``) and sparse gradients are refused with an error.
-        - The synchronised parameters (count, names, shapes, dtypes, order) are fixed
-          when it is built: a parameter added, replaced, reshaped or switched to or from
-          ``requires_grad`` afterwards raises a ``SpecError`` at the end of the next
-          synchronised backward, naming it, on every rank of the group (whether any
-          rank changed rides in the buckets' all-reduce); that backward's gradients
-          are dropped. Build a new GradSync after changing the model.
+        - The synchronised parameters (count, names, shapes, dtypes, order) and the
+          buckets made from them are compared across the ranks when it is built:
+          ranks that would reduce different buckets (a parameter that requires grad on
+          one rank only, another ``bucket_cap_mb``) raise a ``SpecError`` on every rank,
+          naming each rank's plan. They are fixed then: a parameter added, replaced,
+          reshaped or switched to or from ``requires_grad`` afterwards raises a
+          ``SpecError`` at the end of the next synchronised backward, naming it, on
+          every rank of the group (whether any rank changed rides in the buckets'
+          all-reduce); that backward's gradients are dropped. Build a new GradSync
+          after changing the model.
         - Build it after moving the model to its device and dtype, at the same point of
           the program on every rank of the mesh. A new GradSync over the same
           parameters on the same rank replaces the old one (closes it).
