@@ -20,6 +20,9 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
     raw all_reduce+clone  dist.all_reduce(x.clone())          fair: spmd keeps x intact
     comm all_reduce       comm_of(mesh).all_reduce(x, "sum", group): the protocol alone,
                           with its always-on check (no collectives layer, no autograd)
+    comm all_reduce unchecked
+                          the same with ``comm.checks`` off for that call only (as
+                          ``SPMD_VALIDATE=0``): checked against unchecked in one run
     psum no_grad          spmd.psum(x, "x") under torch.no_grad()
     psum                  spmd.psum(x, "x"), grad mode on, x.requires_grad False (the
                           default in user code: spmd "anchors" x, an autograd node is made)
@@ -35,11 +38,35 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
 The project's targets: overhead <= 5 % at 1 MiB and <= 30 us at 4 B.
 
 spmd's reductions of CPU tensors check op, dtype and shape (element counts included)
-on every call: up to 512 bytes as one all_gather of metadata and payload reduced
-locally, above that with one all_gather of metadata before gloo's ring reduction. That
-costs more than the targets allow (about +0.15 ms at 4 B and +0.4-0.6 ms at 64 KiB and
-1 MiB at world 2 on a loaded 2-core machine); ``SPMD_VALIDATE=0 python benchmarks/...``
-measures spmd without the checks. GradSync's buckets are not checked.
+on every call: up to 512 bytes as one all_gather of envelopes (metadata and payload)
+reduced locally, above that with one all_gather of envelopes before gloo's ring
+reduction (gloo aborts the process on a ring reduction whose sizes differ). Measured
+2026-11-28 on a 2-core AMD EPYC VM shared with other jobs (load average 1.5-2.9),
+``python benchmarks/collective_overhead.py --sizes 4,1048576 --only "raw all_reduce,raw
+all_reduce+clone,comm all_reduce,comm all_reduce unchecked,psum no_grad,psum"``, two
+runs, medians, overhead over ``raw all_reduce+clone``:
+
+    variant                    4 B          1 MiB
+    comm all_reduce            +147, +166   +1427, +1089 us
+    comm all_reduce unchecked  +70, +74     +71, +208 us (4.0 %, 14.9 %)
+    checked - unchecked        +77, +92     +1356, +881 us
+    psum no_grad               +234, +250   +1528, +1269 us
+    psum                       +301, +309   +1497, +1376 us
+
+The targets are not met with the checks on, and the reason is gloo's own cost: on this
+machine a raw all_reduce of 1-2 elements takes ~230 us, of 4 or more ~400-450 us, and an
+all_gather of 16 B .. 2 KiB per rank ~290-340 us whatever its size (idle medians,
+raw torch.distributed, world 2). A small checked reduction is one all_gather instead of
+one all_reduce (+60-90 us, gloo's difference between the two); a large one is one
+all_gather more (a round trip: +0.3 ms idle, 0.9-1.4 ms under this load). spmd's own
+work per call at 4 B is ~12 us for ``comm all_reduce`` and 21-38 us for ``psum``
+(timed with the all_gather replaced by a local copy, best of three runs). Without the
+checks (the "unchecked" row, or ``SPMD_VALIDATE=0``: +76 us at 4 B, +119 us = 7.7 % at
+1 MiB in one run) 1 MiB is at +4-15 %, near the 5 % target; 4 B stays +70-76 us, a
+buffer, a copy and a bounded wait that this loaded machine makes cost several times
+their idle time. GradSync's bucket all-reduces carry no
+envelope: their sizes follow from the plan, which GradSync compares across the ranks
+when it is built.
 """
 from __future__ import annotations
 
