@@ -7,11 +7,14 @@ taken on rank 0 with ``perf_counter_ns``. Overhead = median(spmd) - median(basel
 
     python benchmarks/collective_overhead.py [--iters N] [--sizes 4,65536,1048576]
                                              [--budget SECONDS] [--only VARIANT,...]
+                                             [--profile N]
 
 Each size gets at most ``--iters`` rounds, fewer when the warm-up says they would take
 more than its share of ``--budget`` (default 36 s in all: the default run takes ~45 s).
 The "5 blocks" column is the overhead measured on each fifth of the run separately:
 a wide range means the machine's load moved while measuring; trust the medians less.
+``--profile N`` also prints the N functions that cost most of their own time on rank 0
+(cProfile over the timed calls: run it with ``--only`` one spmd variant).
 
 Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, which
 ``spmd.launch`` sets up; the raw calls use the same process group as the mesh axis):
@@ -203,11 +206,15 @@ def _make_calls(mesh, nbytes: int):
     return calls
 
 
-def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]):
+def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str],
+             profile: int = 0):
     """Runs on every rank: {nbytes: {variant: [ns per call, ...]}}.
 
     Per size, at most ``iters`` rounds, fewer if the warm-up says they would take more
     than ``budget`` seconds (rank 0 decides, so both ranks run the same calls).
+    ``profile``: also profile the timed calls on rank 0 (cProfile, which slows every
+    Python call: the times are then not comparable) and return the ``profile`` lines
+    that cost most of their own time under ``"profile"``.
     """
     import torch
     import torch.distributed as dist
@@ -228,7 +235,13 @@ def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]
         dist.broadcast(n_it, 0)
         n_it = int(n_it)
         times = [[0] * n_it for _ in range(k)]
+        prof = None
+        if profile and dist.get_rank() == 0:
+            import cProfile
+            prof = cProfile.Profile()
         dist.barrier()
+        if prof is not None:
+            prof.enable()
         for i in range(n_it):
             for j in range(k):  # rotated order: each variant follows each other one
                 v = (i + j) % k
@@ -236,6 +249,13 @@ def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]
                 t0 = clock()
                 f()
                 times[v][i] = clock() - t0
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+            out.setdefault("profile", {})[nbytes] = text.getvalue()
         out[nbytes] = dict(zip(names, times))
     return out
 
@@ -341,6 +361,10 @@ def main(argv=None) -> int:
                          "(default 36)")
     ap.add_argument("--sizes", default="4,65536,1048576",
                     help="payload sizes in bytes, comma-separated (default 4,65536,1048576)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the N functions that cost most of their own time on "
+                         "rank 0 (cProfile: slows every call, so read the tables of such a "
+                         "run for where the time goes, not for the overhead)")
     ap.add_argument("--only", default="",
                     help="comma-separated variant names to run (default: all)")
     a = ap.parse_args(argv)
@@ -359,8 +383,12 @@ def main(argv=None) -> int:
     load0 = _load()
     t0 = time.perf_counter()
     res = spmd.launch(per_rank, (2,), (AXIS,), backend="gloo",
-                      args=(sizes, a.iters, a.budget / len(sizes), names), timeout=600.0)
+                      args=(sizes, a.iters, a.budget / len(sizes), names, a.profile),
+                      timeout=600.0)
     report(res, sizes, time.perf_counter() - t0, (load0, _load()))
+    for nbytes, text in res[0].get("profile", {}).items():
+        print(f"\n## profile, {_size_str(nbytes)}, rank 0, variants {', '.join(names)}\n")
+        print(text.strip())
     return 0
 
 
