@@ -64,11 +64,11 @@ one all_reduce (+60-90 us, gloo's difference between the two); a large one is on
 all_gather more (a round trip: +0.3 ms idle, 0.9-1.4 ms under this load). spmd's own
 work per call at 4 B is ~12 us for ``comm all_reduce``, 20 us for ``psum`` under
 ``no_grad`` and 37 us in grad mode (timed with the all_gather replaced by a local copy,
-best of three runs). Without the checks (the "unchecked" row, or ``SPMD_VALIDATE=0``: +76 us at 4 B, +119 us = 7.7 % at
-1 MiB in one run) 1 MiB is at +4-15 %, near the 5 % target; 4 B stays +70-76 us, a
-buffer, a copy and a bounded wait that this loaded machine makes cost several times
-their idle time. GradSync's bucket all-reduces carry no
-envelope: their sizes follow from the plan, which GradSync compares across the ranks
+best of three runs). Without the checks (the "unchecked" row, or ``SPMD_VALIDATE=0``:
++76 us at 4 B, +119 us = 7.7 % at 1 MiB in one run) 1 MiB is at +4-15 %, near the 5 %
+target; 4 B stays +70-76 us, a buffer, a copy and a bounded wait that this loaded
+machine makes cost several times their idle time. GradSync's bucket all-reduces carry
+no envelope: their sizes follow from the plan, which GradSync compares across the ranks
 when it is built.
 """
 from __future__ import annotations
@@ -198,7 +198,8 @@ def _make_calls(mesh, nbytes: int):
     # Sanity: spmd and raw agree, and spmd did not touch its input.
     x0 = x.clone()
     ref = raw_ar_clone()
-    for name in ("comm all_reduce", "comm all_reduce unchecked", "psum no_grad", "psum", "psum requires_grad"):
+    for name in ("comm all_reduce", "comm all_reduce unchecked", "psum no_grad", "psum",
+                 "psum requires_grad"):
         assert torch.allclose(calls[name]().detach(), ref), name
     assert torch.equal(ag().detach(), raw_ag()) and torch.equal(ag_sizes().detach(), raw_ag())
     assert torch.equal(pp().detach(), raw_pp())
