@@ -7,11 +7,14 @@ taken on rank 0 with ``perf_counter_ns``. Overhead = median(spmd) - median(basel
 
     python benchmarks/collective_overhead.py [--iters N] [--sizes 4,65536,1048576]
                                              [--budget SECONDS] [--only VARIANT,...]
+                                             [--profile N]
 
 Each size gets at most ``--iters`` rounds, fewer when the warm-up says they would take
 more than its share of ``--budget`` (default 36 s in all: the default run takes ~45 s).
 The "5 blocks" column is the overhead measured on each fifth of the run separately:
 a wide range means the machine's load moved while measuring; trust the medians less.
+``--profile N`` also prints the N functions that cost most of their own time on rank 0
+(cProfile over the timed calls: run it with ``--only`` one spmd variant).
 
 Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, which
 ``spmd.launch`` sets up; the raw calls use the same process group as the mesh axis):
@@ -20,6 +23,9 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
     raw all_reduce+clone  dist.all_reduce(x.clone())          fair: spmd keeps x intact
     comm all_reduce       comm_of(mesh).all_reduce(x, "sum", group): the protocol alone,
                           with its always-on check (no collectives layer, no autograd)
+    comm all_reduce unchecked
+                          the same with ``comm.checks`` off for that call only (as
+                          ``SPMD_VALIDATE=0``): checked against unchecked in one run
     psum no_grad          spmd.psum(x, "x") under torch.no_grad()
     psum                  spmd.psum(x, "x"), grad mode on, x.requires_grad False (the
                           default in user code: spmd "anchors" x, an autograd node is made)
@@ -35,11 +41,35 @@ Variants (x is float32, ``nbytes`` bytes; spmd calls run inside ``with mesh:``, 
 The project's targets: overhead <= 5 % at 1 MiB and <= 30 us at 4 B.
 
 spmd's reductions of CPU tensors check op, dtype and shape (element counts included)
-on every call: up to 512 bytes as one all_gather of metadata and payload reduced
-locally, above that with one all_gather of metadata before gloo's ring reduction. That
-costs more than the targets allow (about +0.15 ms at 4 B and +0.4-0.6 ms at 64 KiB and
-1 MiB at world 2 on a loaded 2-core machine); ``SPMD_VALIDATE=0 python benchmarks/...``
-measures spmd without the checks. GradSync's buckets are not checked.
+on every call: up to 512 bytes as one all_gather of envelopes (metadata and payload)
+reduced locally, above that with one all_gather of envelopes before gloo's ring
+reduction (gloo aborts the process on a ring reduction whose sizes differ). Measured
+2026-11-28 on a 2-core AMD EPYC VM shared with other jobs (load average 1.5-2.9),
+``python benchmarks/collective_overhead.py --sizes 4,1048576 --only "raw all_reduce,raw
+all_reduce+clone,comm all_reduce,comm all_reduce unchecked,psum no_grad,psum"``, two
+runs, medians, overhead over ``raw all_reduce+clone``:
+
+    variant                    4 B          1 MiB
+    comm all_reduce            +147, +166   +1427, +1089 us
+    comm all_reduce unchecked  +70, +74     +71, +208 us (4.0 %, 14.9 %)
+    checked - unchecked        +77, +92     +1356, +881 us
+    psum no_grad               +234, +250   +1528, +1269 us
+    psum                       +301, +309   +1497, +1376 us
+
+The targets are not met with the checks on, and the reason is gloo's own cost: on this
+machine a raw all_reduce of 1-2 elements takes ~230 us, of 4 or more ~400-450 us, and an
+all_gather of 16 B .. 2 KiB per rank ~290-340 us whatever its size (idle medians,
+raw torch.distributed, world 2). A small checked reduction is one all_gather instead of
+one all_reduce (+60-90 us, gloo's difference between the two); a large one is one
+all_gather more (a round trip: +0.3 ms idle, 0.9-1.4 ms under this load). spmd's own
+work per call at 4 B is ~12 us for ``comm all_reduce``, 20 us for ``psum`` under
+``no_grad`` and 37 us in grad mode (timed with the all_gather replaced by a local copy,
+best of three runs). Without the checks (the "unchecked" row, or ``SPMD_VALIDATE=0``:
++76 us at 4 B, +119 us = 7.7 % at 1 MiB in one run) 1 MiB is at +4-15 %, near the 5 %
+target; 4 B stays +70-76 us, a buffer, a copy and a bounded wait that this loaded
+machine makes cost several times their idle time. GradSync's bucket all-reduces carry
+no envelope: their sizes follow from the plan, which GradSync compares across the ranks
+when it is built.
 """
 from __future__ import annotations
 
@@ -61,13 +91,16 @@ AXIS = "x"
 WARMUP = 20
 MIN_ITERS = 200
 
-VARIANTS = ["raw all_reduce", "raw all_reduce+clone", "comm all_reduce", "psum no_grad", "psum",
+VARIANTS = ["raw all_reduce", "raw all_reduce+clone", "comm all_reduce",
+            "comm all_reduce unchecked", "psum no_grad", "psum",
             "psum requires_grad", "raw all_gather", "all_gather", "all_gather sizes=",
             "raw ppermute", "ppermute"]
 
 # (spmd variant, baseline variant) pairs that the table and the goals report.
 COMPARISONS = [
     ("comm all_reduce", "raw all_reduce+clone"),
+    ("comm all_reduce unchecked", "raw all_reduce+clone"),
+    ("comm all_reduce", "comm all_reduce unchecked"),
     ("psum no_grad", "raw all_reduce"),
     ("psum no_grad", "raw all_reduce+clone"),
     ("psum", "raw all_reduce"),
@@ -111,9 +144,17 @@ def _make_calls(mesh, nbytes: int):
         return y
 
     comm = comm_of(mesh)
+    checks = comm.checks
 
     def comm_ar():
         return comm.all_reduce(x, "sum", group, name="psum")
+
+    def comm_ar_unchecked():
+        comm.checks = False  # as SPMD_VALIDATE=0, for this call only
+        try:
+            return comm.all_reduce(x, "sum", group, name="psum")
+        finally:
+            comm.checks = checks
 
     def psum_ng():
         with torch.no_grad():
@@ -149,6 +190,7 @@ def _make_calls(mesh, nbytes: int):
 
     calls = {
         "raw all_reduce": raw_ar, "raw all_reduce+clone": raw_ar_clone, "comm all_reduce": comm_ar,
+        "comm all_reduce unchecked": comm_ar_unchecked,
         "psum no_grad": psum_ng, "psum": psum, "psum requires_grad": psum_rg,
         "raw all_gather": raw_ag, "all_gather": ag, "all_gather sizes=": ag_sizes,
         "raw ppermute": raw_pp, "ppermute": pp,
@@ -156,7 +198,8 @@ def _make_calls(mesh, nbytes: int):
     # Sanity: spmd and raw agree, and spmd did not touch its input.
     x0 = x.clone()
     ref = raw_ar_clone()
-    for name in ("comm all_reduce", "psum no_grad", "psum", "psum requires_grad"):
+    for name in ("comm all_reduce", "comm all_reduce unchecked", "psum no_grad", "psum",
+                 "psum requires_grad"):
         assert torch.allclose(calls[name]().detach(), ref), name
     assert torch.equal(ag().detach(), raw_ag()) and torch.equal(ag_sizes().detach(), raw_ag())
     assert torch.equal(pp().detach(), raw_pp())
@@ -164,11 +207,15 @@ def _make_calls(mesh, nbytes: int):
     return calls
 
 
-def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]):
+def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str],
+             profile: int = 0):
     """Runs on every rank: {nbytes: {variant: [ns per call, ...]}}.
 
     Per size, at most ``iters`` rounds, fewer if the warm-up says they would take more
     than ``budget`` seconds (rank 0 decides, so both ranks run the same calls).
+    ``profile``: also profile the timed calls on rank 0 (cProfile, which slows every
+    Python call: the times are then not comparable) and return the ``profile`` lines
+    that cost most of their own time under ``"profile"``.
     """
     import torch
     import torch.distributed as dist
@@ -189,7 +236,13 @@ def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]
         dist.broadcast(n_it, 0)
         n_it = int(n_it)
         times = [[0] * n_it for _ in range(k)]
+        prof = None
+        if profile and dist.get_rank() == 0:
+            import cProfile
+            prof = cProfile.Profile()
         dist.barrier()
+        if prof is not None:
+            prof.enable()
         for i in range(n_it):
             for j in range(k):  # rotated order: each variant follows each other one
                 v = (i + j) % k
@@ -197,6 +250,13 @@ def per_rank(mesh, sizes: list[int], iters: int, budget: float, names: list[str]
                 t0 = clock()
                 f()
                 times[v][i] = clock() - t0
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+            out.setdefault("profile", {})[nbytes] = text.getvalue()
         out[nbytes] = dict(zip(names, times))
     return out
 
@@ -254,16 +314,16 @@ def report(res: list[dict], sizes: list[int], wall: float, load) -> None:
         iters = len(next(iter(r0[nbytes].values())))
         print(f"\n## {_size_str(nbytes)} ({max(nbytes // 4, 1)} float32), {iters} calls "
               f"per variant\n")
-        print(f"| {'variant':<20} | {'median us':>9} | {'p10 us':>8} | {'p90 us':>8} |")
-        print(f"|{'-' * 22}|{'-' * 10}:|{'-' * 9}:|{'-' * 9}:|")
+        print(f"| {'variant':<25} | {'median us':>9} | {'p10 us':>8} | {'p90 us':>8} |")
+        print(f"|{'-' * 27}|{'-' * 10}:|{'-' * 9}:|{'-' * 9}:|")
         for name, ns in r0[nbytes].items():
             m, p10, p90 = _stats(ns)
-            print(f"| {name:<20} | {m:>9.1f} | {p10:>8.1f} | {p90:>8.1f} |")
+            print(f"| {name:<25} | {m:>9.1f} | {p10:>8.1f} | {p90:>8.1f} |")
         goal = _goal(nbytes)
         head = f"goal {goal[0]}" if goal else "goal"
-        print(f"\n| {'spmd':<18} | {'baseline':<20} | {'overhead us':>11} | {'%':>6} | "
+        print(f"\n| {'spmd':<25} | {'baseline':<25} | {'overhead us':>11} | {'%':>6} | "
               f"{'5 blocks, us':>14} | {head:<13} |")
-        print(f"|{'-' * 20}|{'-' * 22}|{'-' * 12}:|{'-' * 7}:|{'-' * 15}:|{'-' * 15}|")
+        print(f"|{'-' * 27}|{'-' * 27}|{'-' * 12}:|{'-' * 7}:|{'-' * 15}:|{'-' * 15}|")
         for a, b in COMPARISONS:
             if a not in r0[nbytes] or b not in r0[nbytes]:
                 continue
@@ -271,7 +331,7 @@ def report(res: list[dict], sizes: list[int], wall: float, load) -> None:
             pct = 100.0 * us / _stats(r0[nbytes][b])[0]
             ok = ("met" if goal[1](us, pct) else "NOT met") if goal else "-"
             rng = f"{lo:.0f} .. {hi:.0f}"
-            print(f"| {a:<18} | {b:<20} | {us:>11.1f} | {pct:>5.1f}% | {rng:>14} | {ok:<13} |")
+            print(f"| {a:<25} | {b:<25} | {us:>11.1f} | {pct:>5.1f}% | {rng:>14} | {ok:<13} |")
 
 
 def _cpu_name() -> str:
@@ -302,6 +362,10 @@ def main(argv=None) -> int:
                          "(default 36)")
     ap.add_argument("--sizes", default="4,65536,1048576",
                     help="payload sizes in bytes, comma-separated (default 4,65536,1048576)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the N functions that cost most of their own time on "
+                         "rank 0 (cProfile: slows every call, so read the tables of such a "
+                         "run for where the time goes, not for the overhead)")
     ap.add_argument("--only", default="",
                     help="comma-separated variant names to run (default: all)")
     a = ap.parse_args(argv)
@@ -320,8 +384,12 @@ def main(argv=None) -> int:
     load0 = _load()
     t0 = time.perf_counter()
     res = spmd.launch(per_rank, (2,), (AXIS,), backend="gloo",
-                      args=(sizes, a.iters, a.budget / len(sizes), names), timeout=600.0)
+                      args=(sizes, a.iters, a.budget / len(sizes), names, a.profile),
+                      timeout=600.0)
     report(res, sizes, time.perf_counter() - t0, (load0, _load()))
+    for nbytes, text in res[0].get("profile", {}).items():
+        print(f"\n## profile, {_size_str(nbytes)}, rank 0, variants {', '.join(names)}\n")
+        print(text.strip())
     return 0
 
 

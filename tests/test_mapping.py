@@ -609,3 +609,16 @@ def test_nested_over_a_mapped_axis_is_refused_on_every_backend(mesh):
     outer = spmd.shard_map(lambda v: inner(v), mesh, P("sp"), P())
     with pytest.raises(spmd.SpecError, match=r"nested in a shard_map body mapped over axis 'sp'"):
         outer(torch.arange(8.0))
+
+
+def test_the_agreement_check_fingerprints_specs_as_they_are_now():
+    """shard_map's agreement check keeps the crc of immutable specs (a tuple of P) per
+    object; a list of specs changed in place gets a new one."""
+    from spmd.mapping._agreement import _crc, _spec_crc
+    specs = (P("x", None), P())
+    assert _spec_crc(specs) == _crc(repr(specs)) == _spec_crc(specs)
+    assert _spec_crc((P(None, "x"), P())) != _spec_crc(specs)
+    listed = [P("x")]
+    before = _spec_crc(listed)
+    listed[0] = P(None, "x")
+    assert _spec_crc(listed) == _crc(repr(listed)) != before

@@ -61,14 +61,13 @@ class _Checked:
         the cheap way to check everything (kind, call number, op, dtype, shape) in the
         same round trip. Every member reduces the same rows in the same order, so the
         result is bitwise equal on all of them; NaN wins (amax/amin) with no second round."""
-        g = self._envelopes(group, rec, seq, name, "all_reduce", _ROP_CODE[op], x)
-        vals = g.vals
+        vals = self._envelopes(group, rec, seq, name, "all_reduce", _ROP_CODE[op], x).vals
+        # a new tensor of x's shape: the buffers serve the next call
         if x.dtype == torch.bool:
-            red = vals.bool().all(0) if op == "min" else vals.bool().any(0)
-        else:
-            red = (vals.sum(0, dtype=x.dtype) if op == "sum"
-                   else vals.amax(0) if op == "max" else vals.amin(0))
-        return red.view(x.shape)  # a new tensor: the buffers serve the next call
+            return vals.all(0) if op == "min" else vals.any(0)
+        if op == "sum":
+            return vals.sum(0) if x.is_floating_point() else vals.sum(0, dtype=x.dtype)
+        return vals.amax(0) if op == "max" else vals.amin(0)
 
     def _envelopes(self, group, rec, seq, name, kind, extra, x, *, meta=None, meanwhile=None,
                    **check) -> Rows:
@@ -79,24 +78,27 @@ class _Checked:
         a loaded machine each point-to-point wait can cost a scheduler's time slice
         (milliseconds), a collective's far less."""
         if x is not None:
-            shape, dtype, device = tuple(x.shape), x.dtype, x.device
+            shape, dtype, device = x.shape, x.dtype, x.device
         elif meta is not None:
             shape, dtype, device = meta
         else:
             shape, dtype, device = (), torch.uint8, self.mesh.device
-        g = self._rows(kind, extra, shape, dtype, group, name, device)
-        for fresh in (False, True):
-            if fresh:  # under a torch.func transform, which refuses writes into tensors
-                # made outside it: buffers of this call's own
-                g = Rows(kind, extra, shape, dtype, group.size, name, device)
-            try:
-                g.seq.fill_(seq)
-                if x is not None and x.numel() * x.element_size() <= _envelope.INLINE:
-                    g.payload.copy_(_bytes(x.detach().contiguous()))
-                break
-            except RuntimeError:
-                if fresh:
-                    raise
+        cache = self._local.__dict__.get("rows")
+        if cache is None:
+            cache = self._local.rows = {}
+        key = (kind, extra, dtype, shape, rec, device)
+        g = cache.get(key)
+        if g is None:
+            if len(cache) >= 256:  # a program of many small shapes: start over
+                cache.clear()
+            g = cache[key] = Rows(kind, extra, shape, dtype, group.size, name, device)
+        try:
+            self._fill(g, seq, x)
+        except RuntimeError:
+            # Under a torch.func transform, which refuses writes into tensors made
+            # outside it: buffers of this call's own.
+            g = Rows(kind, extra, shape, dtype, group.size, name, device)
+            self._fill(g, seq, x)
         try:
             work = _all_gather_single(g.out, g.env, group=rec.pg, async_op=True)
         except RuntimeError as e:
@@ -109,19 +111,12 @@ class _Checked:
             _envelope.check_all([heads[p] for p in rec.pg_of], group, name, **check)
         return g
 
-    def _rows(self, kind, extra, shape, dtype, group, name, device) -> Rows:
-        """The envelopes of a gathered call, made once per (kind, argument, dtype, shape,
-        group, device) and thread: each call then copies its payload in and reduces out
-        of them (on a slow CPU each torch call saved is several microseconds of a call
-        that costs a few hundred)."""
-        cache = self._local.__dict__.setdefault("rows", {})
-        key = (kind, extra, dtype, shape, group, device)
-        g = cache.get(key)
-        if g is None:
-            if len(cache) >= 256:  # a program of many small shapes: start over
-                cache.clear()
-            g = cache[key] = Rows(kind, extra, shape, dtype, group.size, name, device)
-        return g
+    @staticmethod
+    def _fill(g: Rows, seq: int, x) -> None:
+        """This call's number, and ``x`` where it is inline, into ``g``'s envelope."""
+        g.seq.fill_(seq)
+        if x is not None and g.mine.shape == x.shape:  # inline (else a (0,) stand-in)
+            g.mine.copy_(x.detach())
 
     def _all_gather_gathered(self, x, group, rec, seq, d, sizes, name):
         """all_gather as one all_gather of envelopes, checked (kind, call number, dim,
@@ -136,8 +131,7 @@ class _Checked:
             _envelope.check_all(heads, group, name, skip_dim=d, sizes=sizes)
         nb = x.numel() * x.element_size()
         if heads is None and nb <= _envelope.INLINE:  # even: every payload like this one
-            vals = g.vals.view(torch.bool) if x.dtype == torch.bool else g.vals
-            return [vals[p].view(x.shape).clone() for p in rec.pg_of]
+            return [g.vals[p].clone() for p in rec.pg_of]
         if heads is None:
             heads = _envelope.heads_of(g.heads)
         most = max(h[_envelope.NBYTES] for h in heads)

@@ -48,7 +48,8 @@ carry the data (no extra round trip but before a ring reduction), for CPU tensor
 Left to ``SPMD_VALIDATE=1`` (or ``comm.validate = True``), which compares op, arguments,
 dtypes and shapes across the group before every collective, at the cost of one more
 small collective (a round trip): ``all_reduce_async`` (GradSync's buckets, reduced in
-place, carry no envelope), broadcast, a permute's disagreement on a rank that
+place, carry no envelope; GradSync compares the plan their sizes follow from when it is
+built, ``spmd/parallel/agreement.py``), broadcast, a permute's disagreement on a rank that
 only sends, and accelerator tensors (reading a fingerprint back there would synchronise
 the host with the device on every call). Calls that use different transports (an
 all_gather of envelopes, point-to-point envelopes) never meet: they
@@ -144,40 +145,44 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
             return self._gathered(x, op, group, rec, seq, name)
         wop = wire_op(op, x.dtype)
         extreme = wop == "max" and x.is_floating_point()
-        # One buffer: [NaN flag (float max/min) | the payload as the wire reduces it]
-        lead = int(extreme)
-        wire = _reducible(torch.empty(0, dtype=x.dtype, device="meta")).dtype
-        per = 2 if x.dtype.is_complex else 1
-        buf = torch.empty(lead + per * x.numel(), dtype=wire, device=x.device)
-        body = buf[lead:]
-        vals = _unreducible(body, x.dtype).view(x.shape)
-        nan: list = [None]
+        made: list = []  # (buf, body, vals, nan), made by fill
 
         def fill() -> None:
+            # One buffer: [NaN flag (float max/min) | the payload as the wire reduces it]
+            lead = int(extreme)
+            per = 2 if x.dtype.is_complex else 1
+            buf = torch.empty(lead + per * x.numel(), dtype=_wire_dtype(x.dtype),
+                              device=x.device)
+            body = buf[lead:]
+            vals = _unreducible(body, x.dtype).view(x.shape)
             vals.copy_(x.detach())
+            nan = None
             if op == "min":
                 reverse_(body)
             if extreme:
                 # NaN wins, as in torch.amax (gloo's and NCCL's max drop it): it travels
                 # as max's identity and the flag says some rank holds one; only then does
                 # a second all-reduce mark where.
-                nan[0] = torch.isnan(body)
-                has = bool(nan[0].any())
+                nan = torch.isnan(body)
+                has = bool(nan.any())
                 if has:
-                    body.masked_fill_(nan[0], -math.inf)
+                    body.masked_fill_(nan, -math.inf)
                 buf[0] = int(has)
+            made.extend((buf, body, vals, nan))
 
         if checked:
             # Agreed first (kind, call number, op, dtype, shape: element counts included),
-            # in one all_gather of envelopes, the copy made while it is in flight: gloo
-            # aborts the process on a ring reduction whose sizes differ.
+            # in one all_gather of envelopes, started before anything else: the buffer is
+            # made and filled while it is in flight (gloo aborts the process on a ring
+            # reduction whose sizes differ).
             self._envelopes(group, rec, seq, name, "all_reduce", _ROP_CODE[op], None,
-                            meta=(tuple(x.shape), x.dtype, x.device), meanwhile=fill)
+                            meta=(x.shape, x.dtype, x.device), meanwhile=fill)
         else:
             fill()
+        buf, body, vals, nan = made
         self._call(dist.all_reduce, name, group, rec, seq, buf, op=_ROPS[wop])
         if extreme and buf[0].item() != 0:  # the same on every rank: all take this branch
-            where = nan[0].to(torch.uint8)
+            where = nan.to(torch.uint8)
             seq = self._enter(rec)
             self._call(dist.all_reduce, name, group, rec, seq, where, op=_ROPS["max"])
             body.masked_fill_(where.bool(), math.nan)
@@ -569,6 +574,17 @@ class TorchComm(_ProcessGroups, _Validation, _Exchange, _Checked):
         if self._zero is None:
             self._zero = torch.zeros(1, device=self.mesh.device)
         self._call(dist.all_reduce, name, group, rec, seq, self._zero)  # stays zero
+
+
+_WIRE: dict[torch.dtype, torch.dtype] = {}
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a process group reduces ``dtype`` as (``_reducible``), found once."""
+    w = _WIRE.get(dtype)
+    if w is None:
+        w = _WIRE[dtype] = _reducible(torch.empty(0, dtype=dtype, device="meta")).dtype
+    return w
 
 
 def _pieces(shape: tuple[int, ...], itemsize: int) -> list[tuple[tuple, int]]:

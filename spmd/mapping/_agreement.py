@@ -73,6 +73,28 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
+_spec_crcs: dict[int, tuple[Any, int]] = {}
+
+
+def _spec_crc(specs: Any) -> int:
+    """``_crc(repr(specs))``, found once per specs object: a ``shard_map`` passes the
+    same ones on every call, and their repr costs more than the rest of the check.
+    Only hashable specs (tuples, ``P``: immutable) are kept, by identity (the entry holds
+    them, so the id stays theirs); a list may change between calls."""
+    hit = _spec_crcs.get(id(specs))
+    if hit is not None and hit[0] is specs:
+        return hit[1]
+    crc = _crc(repr(specs))
+    try:
+        hash(specs)
+    except TypeError:
+        return crc
+    if len(_spec_crcs) >= 256:  # a program that builds specs per call: start over
+        _spec_crcs.clear()
+    _spec_crcs[id(specs)] = (specs, crc)
+    return crc
+
+
 def _check_call_agrees(mesh: Mesh, in_specs: Any, out_specs: Any, grad_on: bool,
                        needs_grad: list[bool], paths: Callable[[], list[str]]) -> None:
     """On processes, with default settings: every rank calls ``shard_map`` with the same
@@ -87,7 +109,7 @@ def _check_call_agrees(mesh: Mesh, in_specs: Any, out_specs: Any, grad_on: bool,
     bits = [0] * _RG_WORDS
     for i, g in enumerate(needs_grad[:62 * _RG_WORDS]):
         bits[i // 62] |= int(g) << (i % 62)
-    row = [_crc(repr(in_specs)), _crc(repr(out_specs)), int(grad_on), len(needs_grad), *bits,
+    row = [_spec_crc(in_specs), _spec_crc(out_specs), int(grad_on), len(needs_grad), *bits,
            _crc(repr(needs_grad[62 * _RG_WORDS:]))]
     mine = torch.tensor([row], dtype=torch.int64, device=mesh.device)
     with uncounted():  # an agreement check, not the program's communication

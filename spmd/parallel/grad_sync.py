@@ -29,9 +29,11 @@ from ..core._context import in_rank_of
 from ..core._format import describe
 from ..core.errors import SpecError
 from ..core.mesh import Mesh, check_mesh
+from .agreement import changed_error
 from .arguments import check_axes, check_varying
-from .buckets import Bucket, BucketInfo, MiB, assign
+from .buckets import Bucket, MiB
 from .param_set import ParamSet
+from .plan import _Plan
 from .startup import start_up
 
 __all__ = ["GradSync"]
@@ -47,7 +49,7 @@ _owners: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _owners_lock = threading.RLock()
 
 
-class GradSync:
+class GradSync(_Plan):
     """Reduce the gradients of ``module``'s parameters over mesh axes, DDP-style.
 
     For per-rank programs (torchrun scripts, ``spmd.launch``, a rank thread of a
@@ -116,12 +118,16 @@ class GradSync:
         - Double backward (``create_graph=True``), reentrant backward passes that
           accumulate parameter gradients (``torch.utils.checkpoint`` with
           ``use_reentrant=True``) and sparse gradients are refused with an error.
-        - The synchronised parameters (count, names, shapes, dtypes, order) are fixed
-          when it is built: a parameter added, replaced, reshaped or switched to or from
-          ``requires_grad`` afterwards raises a ``SpecError`` at the end of the next
-          synchronised backward, naming it, on every rank of the group (whether any
-          rank changed rides in the buckets' all-reduce); that backward's gradients
-          are dropped. Build a new GradSync after changing the model.
+        - The synchronised parameters (count, names, shapes, dtypes, order) and the
+          buckets made from them are compared across the ranks when it is built:
+          ranks that would reduce different buckets (a parameter that requires grad on
+          one rank only, another ``bucket_cap_mb``) raise a ``SpecError`` on every rank,
+          naming each rank's plan. They are fixed then: a parameter added, replaced,
+          reshaped or switched to or from ``requires_grad`` afterwards raises a
+          ``SpecError`` at the end of the next synchronised backward, naming it, on
+          every rank of the group (whether any rank changed rides in the buckets'
+          all-reduce); that backward's gradients are dropped. Build a new GradSync
+          after changing the model.
         - Build it after moving the model to its device and dtype, at the same point of
           the program on every rank of the mesh. A new GradSync over the same
           parameters on the same rank replaces the old one (closes it).
@@ -231,6 +237,11 @@ class GradSync:
         self._order: list[int] | None = [] if learn_order else None  # the first ready order
         self._seen: set[int] = set()
         self._build(list(reversed(range(len(self._params)))))
+        try:  # every rank's buckets alike, per group that reduces them, before any starts
+            self._check_plans()
+        except BaseException:
+            self.close()
+            raise
         # The hooks keep the GradSync alive as long as the parameters live.
         for i, p in enumerate(self._params):
             self._hooks.append(p.register_post_accumulate_grad_hook(_hook(self, i)))
@@ -243,55 +254,6 @@ class GradSync:
     overlapped: int
     """How many buckets of the last synchronised backward started before it ended (the
     others started at its end): a measure of the overlap of communication with backward."""
-
-    @property
-    def buckets(self) -> list[BucketInfo]:
-        """The bucket plan in launch order: dtype, device, axes, parameter names, size.
-
-        Before the first synchronised iteration it follows the reverse of the module's
-        definition order (backward usually runs last layer first); after it, with
-        ``learn_order``, the order in which the gradients of the group's first rank
-        became ready (every rank of the group adopts it).
-        """
-        return [b.info() for b in self._buckets]
-
-    @property
-    def order_learned(self) -> bool:
-        """Whether the plan has been rebuilt from the order seen in backward."""
-        return self.active and self._learn and self._order is None
-
-    def _build(self, order: list[int]) -> None:
-        plan = assign(order, self._params, self._cap, self._first_cap, self._axes_of)
-        self._buckets = [Bucket(idx, self._params, self._names, self._grad_as_view,
-                                self._axes_of[idx[0]]) for idx in plan]
-        self._where: dict[int, tuple[Bucket, int]] = {
-            i: (b, j) for b in self._buckets for j, i in enumerate(b.index)}
-
-    def _rebuild(self) -> None:
-        """Adopt rank 0's ready order (so every rank has the same plan), once."""
-        seen, self._order = self._order, None
-        rest = [i for b in self._buckets for i in b.index if i not in self._seen]
-        mine = torch.tensor(seen + rest, dtype=torch.int64, device=self.mesh.device)
-        g = self._plan_group  # one plan on every rank of the mesh
-        if g.size > 1:
-            mine = comm_of(self.mesh).broadcast(mine, 0, g, name=f"{self.name} plan")
-        order = mine.tolist()
-        if sorted(order) != list(range(len(self._params))):
-            raise SpecError(f"{self._what}: rank {g.ranks[0]} sent a bucket order "
-                            f"for other parameters than this rank's")
-        if (assign(order, self._params, self._cap, self._first_cap, self._axes_of)
-                == [b.index for b in self._buckets]):
-            return
-        old = self._where
-        self._build(order)
-        with torch.no_grad():  # the gradients just reduced move into the new buckets
-            for i, p in enumerate(self._params):
-                b, j = self._where[i]
-                if p.grad is not None:
-                    ob, oj = old[i]
-                    b.views[j].copy_(p.grad)
-                    if b.viewable[j] and p.grad is ob.views[oj]:
-                        p.grad = b.views[j]
 
     # -- backward ------------------------------------------------------------------------
 
@@ -389,9 +351,11 @@ class GradSync:
         with torch.no_grad(), in_backward():
             for b in self._buckets:
                 b.work.wait()
-            changed = int(torch.cat([b.alarm for b in self._buckets]).max().item())
-            if changed:
-                self._refuse_changed(changed)
+            alarms = [int(a) for a in torch.cat([b.alarm for b in self._buckets]).tolist()]
+            if max(alarms):
+                self._refuse_changed(max(alarms), next(
+                    (a for a, b in zip(alarms, self._buckets) if b.axes == self.group.axes),
+                    None))
             for b in self._buckets:
                 local = [self._used[i] for i in b.index]
                 used = local if all(local) else [f > 0 for f in b.flags.tolist()]
@@ -414,26 +378,18 @@ class GradSync:
             if self._order is not None:
                 self._rebuild()
 
-    def _refuse_changed(self, changed: int) -> None:
+    def _refuse_changed(self, changed: int, full: int | None) -> None:
         """A rank of a bucket's group changed its synchronised parameters: drop this
-        backward's gradients (nothing was reduced) and raise, on every rank of the group."""
+        backward's gradients (nothing was reduced) and raise, on every rank of the group.
+        ``full``: the alarm of a bucket over every synchronised axis (None: no such
+        bucket), the same on every rank of ``self.group``: where it is set, they all
+        exchange what changed, so that each names it."""
         for b in self._buckets:
             b.reset()
         self._dirty, self._reduced, self._next, self._early = False, False, 0, 0
         self._used = [False] * len(self._params)
-        axes = ", ".join(repr(a) for a in self.axes)
-        fix = ("the synchronised parameters (their count, names, shapes, dtypes and order) "
-               "are fixed when GradSync is built, and a change would leave gradients "
-               "unreduced or misplaced; build a new GradSync after changing the model "
-               "(close() the old one), or set requires_grad before building it")
-        if self._change:
-            raise SpecError(f"{self._what}: {self._change} after GradSync was built (rank "
-                            f"{self.rank}); {fix}")
-        raise SpecError(
-            f"{self._what}: the synchronised parameters changed after GradSync was built on "
-            f"{changed} other rank{'s' * (changed > 1)} of axis{'es' * (len(self.axes) > 1)} "
-            f"{axes} (this is rank {self.rank}); {'their errors name' if changed > 1 else 'its error names'} "
-            f"the parameter. {fix[0].upper()}{fix[1:]}")
+        raise SpecError(changed_error(self.mesh, self.group if full else None, self._change,
+                                      changed, self.axes, self._what, self.name))
 
     def _at_end(self) -> None:
         """The end-of-backward callback."""

@@ -39,6 +39,36 @@ class ParamSet:
         self._select = select
         self.names, self.params = self._now()
         self._key = self._key_of(self.params)
+        self._tree = self._tree_of(module)
+
+    @staticmethod
+    def _tree_of(module: torch.nn.Module) -> tuple[list, list]:
+        """Every submodule with its own parameters and children, and every parameter's
+        (tensor, requires_grad, shape, dtype): what ``_same`` compares by identity."""
+        tree = [(m, dict(m._parameters), dict(m._modules)) for m in module.modules()]
+        meta = [(p, p.requires_grad, p.shape, p.dtype) for _, ps, _ in tree
+                for p in ps.values() if p is not None]
+        return tree, meta
+
+    def _same(self) -> bool:
+        """Whether the module tree is the one taken (the same submodules, holding the
+        same parameter objects, each with its requires_grad, shape and dtype): a loop of
+        identity checks, several times cheaper than walking ``named_parameters()``."""
+        tree, meta = self._tree
+        for m, params, children in tree:
+            mp, mm = m._parameters, m._modules
+            if len(mp) != len(params) or len(mm) != len(children):
+                return False
+            for k, v in params.items():
+                if mp.get(k) is not v:
+                    return False
+            for k, v in children.items():
+                if mm.get(k) is not v:
+                    return False
+        for p, rg, shape, dtype in meta:
+            if p.requires_grad is not rg or p.shape != shape or p.dtype is not dtype:
+                return False
+        return True
 
     def _now(self) -> tuple[list[str], list[torch.Tensor]]:
         module = self._module()
@@ -53,11 +83,13 @@ class ParamSet:
 
     def change(self) -> str | None:
         """What changed since the set was taken (the first difference), or None."""
-        if self._module() is None:
+        module = self._module()
+        if module is None or self._same():
             return None
         names, params = self._now()
         if names == self.names and self._key_of(params) == self._key:
-            return None
+            self._tree = self._tree_of(module)  # another change (a buffer, a module
+            return None  # without parameters to synchronise): the fast check again
         now = dict(zip(names, params))
         was = dict(zip(self.names, self.params))
         for n in names:

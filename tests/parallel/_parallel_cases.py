@@ -478,3 +478,19 @@ def change_after_wrapping(mesh, change, on_ranks):
     except spmd.SpecError as e:
         return str(e)
     return None
+
+
+def different_plans(mesh, how):
+    """Per-rank: GradSync over a model whose bucket plan differs on rank 1 (``how``:
+    a parameter that does not require grad there, or another bucket cap); the error."""
+    spmd.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    kw = {}
+    if how == "requires_grad" and mesh.rank == 1:
+        model[0].bias.requires_grad_(False)
+    elif how == "cap":
+        kw = dict(bucket_cap_mb=1e-5 if mesh.rank == 1 else 1.0)
+    try:
+        spmd.parallel.GradSync(model, mesh, "dp", **kw)
+    except spmd.SpecError as e:
+        return str(e)

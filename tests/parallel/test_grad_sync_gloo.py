@@ -19,6 +19,7 @@ from _parallel_cases import (
     check_heads,
     check_train,
     check_unused,
+    different_plans,
     field_single,
     field_train,
     heads_single,
@@ -232,8 +233,28 @@ def test_startup_over_the_whole_mesh_and_a_varying_field_2x2(gloo4):
 
 def test_a_parameter_added_on_one_rank_raises_on_every_rank_world2(gloo2):
     """Whether any rank changed its synchronised parameters rides in the buckets'
-    all-reduce: the unchanged rank raises too, instead of waiting or reducing."""
+    all-reduce; what changed is then exchanged: the unchanged rank raises too, naming it,
+    instead of waiting or reducing."""
     msgs = gloo2.run(change_after_wrapping, (2,), ("dp",), args=("added", (1,)))
     assert msgs[1].startswith("GradSync: parameter 'extra' (f32[2]) was added"), msgs[1]
     assert msgs[0].startswith("GradSync: the synchronised parameters changed after GradSync "
-                              "was built on 1 other rank of axis 'dp' (this is rank 0)"), msgs[0]
+                              "was built on rank 1 of axis 'dp' (this is rank 0): parameter "
+                              "'extra' (f32[2]) was added"), msgs[0]
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "cap"])
+def test_ranks_whose_buckets_would_differ_are_refused_when_built_world2(gloo2, how):
+    """Bucket all-reduces of different sizes would abort both processes in gloo: the plans
+    are compared first, and both ranks raise the same refusal."""
+    msgs = gloo2.run(different_plans, (2,), ("dp",), args=(how,))
+    for r, m in enumerate(msgs):
+        assert m is not None and m.startswith(
+            f"GradSync: the ranks of axis 'dp' would reduce different buckets (this is rank "
+            f"{r}): rank 0: 4 parameters"), m
+
+
+def test_broadcast_of_parameters_of_different_shapes_is_refused_world2(gloo2):
+    """init="broadcast" (the default) compares names, dtypes and shapes before it moves
+    anything: one broadcast of concatenated parameters of different sizes would abort."""
+    msgs = gloo2.run(startup, (2,), "dp", args=("broadcast", False, True))
+    assert msgs[0] == msgs[1] and "has shape [4, 3] on rank 0 but [5, 3] on rank 1" in msgs[0]
