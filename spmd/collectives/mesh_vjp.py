@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from ..comm.stats import in_backward
+from ..comm.threads import in_rank_greenlet
+from ..core.errors import SpecError
 
 __all__ = ["mesh_call"]
 
@@ -106,6 +108,16 @@ class _MeshVJP(torch.autograd.Function):
         from ..mapping._graph import _keep_graph
         from .vjp import _stash
 
+        if in_rank_greenlet():
+            # The engine runs on one rank greenlet, inside a body: a per-rank backward,
+            # whose collectives would need the other ranks inside torch's engine at the
+            # same time, which torch keeps per OS thread.
+            raise SpecError(
+                "a backward taken inside a shard_map body (torch.autograd.grad, "
+                ".backward() or torch.func on a rank) through spmd collectives needs a "
+                "thread per rank: run this shard_map on Mesh(..., schedule='threads'); "
+                "on rank greenlets a body's collectives are one autograd node over all "
+                "ranks, differentiated by the backward of the whole call")
         info = ctx.info
         if info is None:
             raise RuntimeError("Trying to backward through the graph a second time (or "

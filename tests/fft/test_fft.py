@@ -368,8 +368,9 @@ def test_backward_is_the_adjoint(name, mshape, shape, spec, sizes, dims):
 @pytest.mark.parametrize("name", ["rfftn", "irfftn", "fftn"])
 def test_double_backward_matches_one_device(name):
     """A Hessian-vector product, taken on each rank (as per-rank training would): each
-    transpose's backward is a transpose too, so it differentiates again."""
-    mesh = Mesh((2, 2), ("x", "y"))
+    transpose's backward is a transpose too, so it differentiates again. A backward on
+    each rank inside the body needs a thread per rank (schedule="threads")."""
+    mesh = Mesh((2, 2), ("x", "y"), schedule="threads")
     lay = Layout((5, 4, 6), P("x", "y"), mesh)
     fn, ref = getattr(spmd.fft, name), getattr(torch.fft, name)
     out = fn.output_layout(lay)
