@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..comm import comm_of
 from ..comm.stats import in_backward
 from ..comm.threads import in_rank_greenlet
 from ..core.errors import SpecError
@@ -106,7 +107,6 @@ class _MeshVJP(torch.autograd.Function):
     def backward(ctx, *grads):
         from ..comm.rank_greenlets import run_ranks
         from ..mapping._graph import _keep_graph
-        from .vjp import _stash
 
         if in_rank_greenlet():
             # The engine runs on one rank greenlet, inside a body: a per-rank backward,
@@ -123,6 +123,10 @@ class _MeshVJP(torch.autograd.Function):
             raise RuntimeError("Trying to backward through the graph a second time (or "
                                "directly access saved tensors after they have already been "
                                "freed); specify retain_graph=True if you need to")
+        if not comm_of(info.mesh).one_pass:
+            # Each rank's backward on its own thread (shard_map chose it: the forward
+            # installed backward code of its own that communicates): this rank's part.
+            return _one_rank(ctx, info, grads)
         if not _keep_graph():
             ctx.info = None
         per, k = {}, 0
@@ -137,33 +141,66 @@ class _MeshVJP(torch.autograd.Function):
                 gs.append(g)
             k += info.n_outs[r]
             per[r] = tuple(gs) if tup else gs[0]
-        def one(r: int):
-            rule, nd, needs, res, _ = info.items[r]
-            name = rule.fun.__name__
-            prev = getattr(_stash, "needs", None)
-            _stash.needs = needs
-            try:
-                with in_backward():
-                    got = rule.bwd(*nd, res, per[r])
-            finally:
-                _stash.needs = prev
-            if not isinstance(got, (tuple, list)):
-                raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got "
-                                f"{type(got).__name__}")
-            n_diff = len(needs) - len(rule.nondiff_argnums)
-            if len(got) != n_diff:
-                raise TypeError(f"custom_vjp {name!r}: bwd returned {len(got)} gradients "
-                                f"for {n_diff} differentiable arguments")
-            return got
+        got = dict(zip(info.ranks, run_ranks(info.mesh, info.ranks,
+                                             lambda r: _bwd(info, r, per[r]))))
+        return (None, *_flat(info, got))
 
-        got = dict(zip(info.ranks, run_ranks(info.mesh, info.ranks, one)))
-        flat: list[torch.Tensor | None] = [None] * info.n_in
-        for r in info.ranks:
-            nondiff = info.items[r][0].nondiff_argnums
-            it = iter(got[r])
-            for i, p in enumerate(info.pos[r]):
-                g = None if i in nondiff else next(it)
-                if p is not None:
-                    flat[p] = g
-        return (None, *flat)
 
+def _bwd(info: _Info, r: int, g: Any) -> tuple:
+    """Rank ``r``'s rule's ``bwd`` for cotangent ``g``, checked like custom_vjp's."""
+    from .vjp import _stash
+
+    rule, nd, needs, res, _ = info.items[r]
+    name = rule.fun.__name__
+    prev = getattr(_stash, "needs", None)
+    _stash.needs = needs
+    try:
+        with in_backward():
+            got = rule.bwd(*nd, res, g)
+    finally:
+        _stash.needs = prev
+    if not isinstance(got, (tuple, list)):
+        raise TypeError(f"custom_vjp {name!r}: bwd must return a tuple, got "
+                        f"{type(got).__name__}")
+    n_diff = len(needs) - len(rule.nondiff_argnums)
+    if len(got) != n_diff:
+        raise TypeError(f"custom_vjp {name!r}: bwd returned {len(got)} gradients for "
+                        f"{n_diff} differentiable arguments")
+    return got
+
+
+def _flat(info: _Info, got: dict[int, tuple]) -> list[torch.Tensor | None]:
+    """The ranks' gradients (``got``) in the node's input order."""
+    flat: list[torch.Tensor | None] = [None] * info.n_in
+    for r, grads in got.items():
+        nondiff = info.items[r][0].nondiff_argnums
+        it = iter(grads)
+        for i, p in enumerate(info.pos[r]):
+            g = None if i in nondiff else next(it)
+            if p is not None:
+                flat[p] = g
+    return flat
+
+
+def _one_rank(ctx: Any, info: _Info, grads: tuple) -> tuple:
+    """The backward of the rank whose thread runs it: its outputs' cotangents in,
+    gradients for its inputs only; the other ranks' threads run theirs."""
+    from ..core._context import current
+
+    r = current("a custom_vjp rule's backward").rank
+    if r not in info.ranks:
+        return (None,) * (1 + info.n_in)
+    k = 0
+    for q in info.ranks:
+        if q == r:
+            break
+        k += info.n_outs[q]
+    gs = []
+    for j in range(k, k + info.n_outs[r]):
+        g = grads[j]
+        if g is None:
+            shape, dt, dev = info.metas[j]
+            g = torch.zeros(shape, dtype=dt, device=dev)
+        gs.append(g)
+    got = _bwd(info, r, tuple(gs) if info.items[r][4] else gs[0])
+    return (None, *_flat(info, {r: got}))

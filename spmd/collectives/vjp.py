@@ -65,7 +65,8 @@ class custom_vjp:
         if not _needs_grad(args):
             return self.fun(*args)
         run = getattr(_comm_tls, "green", None)
-        if run is not None and not torch._C._are_functorch_transforms_active():
+        if run is not None and not run.per_rank_backward and \
+                not torch._C._are_functorch_transforms_active():
             # a rank greenlet of the simulated mesh: one node for every rank's call
             return mesh_call(self, run, args)
         try:

@@ -67,35 +67,40 @@ class RankState:
         self.rng, self.seed = rng, seed
 
 
+_CLEAN = RankState()  # torch's defaults and the thread's own generator: nothing to move
+
+
 def take(per_rank_rng: bool) -> RankState:
     """Lift the calling thread's state (the running rank's) off it, leaving torch's
     defaults: grad mode on, no modes, no hooks, no autocast."""
-    s = RankState(torch.is_grad_enabled())
-    if torch.is_inference_mode_enabled():
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    nf, nd, top = _fn_len(), _d_len(), _h_top(True)
+    autocast = [dev for dev in _AUTOCAST if torch.is_autocast_enabled(dev)]
+    if grad and not (inference or nf or nd or autocast or per_rank_rng) and top is None:
+        return _CLEAN  # the common case, checked in a few calls
+    s = RankState(grad)
+    if inference:
         guard = _Inference(False)
         guard.__enter__()
         s.inference = guard
     if per_rank_rng:
         s.rng = _default_gen.get_state()
-    n = _fn_len()
-    if n:
-        s.fmodes = [_fn_pop() for _ in range(n)][::-1]
-    n = _d_len()
-    if n:
-        s.dmodes = [_d_pop() for _ in range(n)][::-1]
-    top = _h_top(True)
+    if nf:
+        s.fmodes = [_fn_pop() for _ in range(nf)][::-1]
+    if nd:
+        s.dmodes = [_d_pop() for _ in range(nd)][::-1]
     while top is not None:
         s.hooks.append(top)
         _h_pop()
         top = _h_top(True)
     s.hooks.reverse()
-    for dev in _AUTOCAST:
-        if torch.is_autocast_enabled(dev):
-            if s.autocast is None:
-                s.autocast = []
+    if autocast:
+        s.autocast = []
+        for dev in autocast:
             s.autocast.append((dev, True, torch.get_autocast_dtype(dev)))
             torch.set_autocast_enabled(dev, False)
-    if not s.grad:
+    if not grad:
         torch.set_grad_enabled(True)
     return s
 
@@ -103,6 +108,8 @@ def take(per_rank_rng: bool) -> RankState:
 def put(s: RankState) -> None:
     """Install a state ``take`` lifted (or a new rank's) on the calling thread, which
     holds torch's defaults."""
+    if s is _CLEAN:
+        return
     if s.inference is not None:
         guard, s.inference = s.inference, None
         guard.__exit__(None, None, None)

@@ -22,6 +22,7 @@ threads.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import torch
 from greenlet import getcurrent, greenlet
 
 from .. import random as _invariant
-from ..core._context import RankContext
+from ..core._context import pop, push
 from ..core.errors import CommAborted, CommTimeout, tag_rank
 from ..core.mesh import Group, Mesh
 from . import comm_of
@@ -41,14 +42,16 @@ from .threads import _axes, _tls
 __all__ = ["run_on_greenlets"]
 
 
-def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *,
-                     rank_rng: bool = False) -> list[Any]:
+def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *, rank_rng: bool = False,
+                     report: dict | None = None) -> list[Any]:
     """Run ``fn(rank)`` for every rank of a threads mesh as greenlets of the calling
     thread, with the rank context set; return the results in rank order.
 
     The first failure (a rank that raised; ranks cancelled because of it come after) is
     re-raised tagged with its rank once every rank has finished. ``rank_rng``: each
     rank draws from a generator of its own, seeded by one draw of the caller's.
+    ``report``: gets ``"per_rank_backward"``, whether some rank asked for its backward
+    to run on its own thread (``threads.per_rank_backward``).
 
     Example:
         >>> mesh = spmd.Mesh((3,), ("sp",))
@@ -65,7 +68,12 @@ def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *,
         if rank_rng and mesh.size > 1:
             with _invariant.paused():  # not one of the program's draws
                 seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-        return _Run(mesh, fn, comm, range(mesh.size), seed).run()
+        run = _Run(mesh, fn, comm, range(mesh.size), seed)
+        try:
+            return run.run()
+        finally:
+            if report is not None:
+                report["per_rank_backward"] = run.per_rank_backward
     finally:
         comm.run_lock.release()
 
@@ -101,7 +109,8 @@ class _Run:
                        for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()
-        self.lets = {r: greenlet(self._body, parent=self.main) for r in self.ranks}
+        self.lets: dict[int, greenlet] = {}
+        self.done: set[int] = set()
         # rank -> (group, slot, name) of the collective it waits in
         self.waiting: dict[int, tuple[Group, Any, str]] = {}
         # rank -> the meeting point (``meet``) it waits at
@@ -109,15 +118,22 @@ class _Run:
         self.points: dict[tuple, _Point] = {}
         self.counts: dict[tuple, int] = {}
         self.throw: dict[int, BaseException] = {}
+        self.per_rank_backward = False  # custom_vjp calls make per-rank nodes
+        self.nodes = 0  # custom_vjp calls made one node over the ranks
 
     def run(self) -> list[Any]:
         self.generation = self.comm.begin()
         caller = take(self.per_rank_rng)
         self.baseline = guards()
+        workers = _take_workers(len(self.ranks))
+        for r, w in zip(self.ranks, workers):
+            w.parent = self.main
+            self.lets[r] = w
         try:
             self.loop()
         finally:
             put(caller)
+            _give_back([w for r, w in self.lets.items() if r in self.done])
         if self.errors:
             # A rank cancelled because another failed is a symptom; report the cause.
             errs = sorted(self.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
@@ -126,15 +142,22 @@ class _Run:
         return [self.results[r] for r in self.ranks]
 
     def _body(self, rank: int) -> None:
-        _tls.run = (self.comm, self.generation)
+        # (No ``_tls.run``: a greenlet run is never abandoned, so never stale.)
         _tls.green = self
         _tls.green_rank = rank
+        push(self.mesh, rank)
         try:
-            with RankContext(self.mesh, rank), _invariant.on_rank_thread(self.stream, rank):
+            if self.stream is None:
                 self.results[rank] = self.fn(rank)
+            else:
+                with _invariant.on_rank_thread(self.stream, rank):
+                    self.results[rank] = self.fn(rank)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             self.errors.append((time.monotonic(), rank, e))
             self.comm.abort(e, self.generation, rank)
+        finally:
+            pop()
+            _tls.green = None  # an idle worker holds no run
 
     def meet(self, key: Any, item: Any, build: Callable[[dict[int, Any]], dict[int, Any]]
              ) -> Any:
@@ -163,6 +186,7 @@ class _Run:
 
     def _form(self, pt: _Point) -> None:
         self.points.pop(pt.key, None)
+        self.nodes += 1
         try:
             pt.results = pt.build(pt.items)
         except BaseException as e:  # noqa: BLE001 - raised on every rank that met
@@ -198,7 +222,7 @@ class _Run:
                 self.meeting.pop(r, None)
                 self._turn(r)
                 ran = True
-                if self.lets[r].dead:
+                if r in self.done:
                     live.remove(r)
             if not ran:
                 self._stuck(live)
@@ -209,12 +233,17 @@ class _Run:
         exc = self.throw.pop(r, None)
         try:
             if exc is None:
-                self.lets[r].switch(r)  # a new greenlet's argument; else ignored
+                # a worker waiting for a job takes (run, rank); one waiting in a
+                # collective ignores it
+                got = self.lets[r].switch((self, r))
             else:
-                self.lets[r].throw(exc)
+                got = self.lets[r].throw(exc)
         finally:
-            self.states[r] = take(self.per_rank_rng)
-        while not self.lets[r].dead:
+            if got is _DONE:
+                self.done.add(r)
+            # a rank that finished draws no more: its generator state is not kept
+            self.states[r] = take(self.per_rank_rng and got is not _DONE)
+        while r not in self.done:
             # A rank may wait (and let another run) only where torch's per-thread state
             # is what ``take`` lifts: inside a C++ guard it is not, and the next rank
             # would run under this one's guard. It gets the error where it waits, with
@@ -226,14 +255,17 @@ class _Run:
             pt = self.meeting.pop(r, None)
             what = w[2] if w is not None else "a custom_vjp rule" if pt is not None else "it"
             put(self.states[r])
+            got = None
             try:
-                self.lets[r].throw(SpecError(
+                got = self.lets[r].throw(SpecError(
                     f"{what} on rank {r}: the simulated mesh switches to another rank at "
                     f"each collective, which it cannot do inside {inside}; run this "
                     f"shard_map with Mesh(..., schedule='threads') (a thread per rank), or "
                     f"call the collective outside it"))
             finally:
-                self.states[r] = take(self.per_rank_rng)
+                if got is _DONE:
+                    self.done.add(r)
+                self.states[r] = take(self.per_rank_rng and got is not _DONE)
 
     def _stuck(self, live: list[int]) -> None:
         """No rank can run: every live one waits in a collective some member of its group
@@ -273,3 +305,33 @@ class _Point:
         self.results: dict[int, Any] = {}
         self.error: BaseException | None = None
         self.done = False
+
+
+_DONE = object()  # what a worker greenlet says when its rank's program has finished
+
+
+def _work(job: tuple[_Run, int]) -> None:
+    """A worker greenlet's life: run a rank's program, say so, wait for the next.
+    Starting and ending a greenlet costs ~10 us; switching to a waiting one, under 1."""
+    while True:
+        run, rank = job
+        run._body(rank)
+        del run
+        job = getcurrent().parent.switch(_DONE)
+
+
+_pool = threading.local()  # idle workers of this OS thread (a greenlet stays on its own)
+
+
+def _take_workers(n: int) -> list[greenlet]:
+    idle = getattr(_pool, "idle", None)
+    if idle is None:
+        idle = _pool.idle = []
+    got = [idle.pop() for _ in range(min(n, len(idle)))]
+    return got + [greenlet(_work) for _ in range(n - len(got))]
+
+
+def _give_back(workers: list[greenlet]) -> None:
+    """Workers whose rank finished go back to the pool (one still inside a rank's
+    program, abandoned by a failure, is dropped)."""
+    _pool.idle.extend(workers)

@@ -50,6 +50,23 @@ class _Slot:
 _tls = RankLocal()
 
 
+def per_rank_backward() -> None:
+    """Called on a rank greenlet whose forward installs backward code that communicates
+    outside ``spmd.custom_vjp`` rules (a converted model's checkpoint recomputes and
+    tensor hooks): the shard_map's backward then runs each rank's on its own thread
+    instead of one pass over all ranks."""
+    run = getattr(_tls, "green", None)
+    if run is None or run.per_rank_backward:
+        return
+    if run.nodes:
+        raise SpecError(
+            "a model made by spmd.nn.convert runs in a shard_map body on rank greenlets "
+            "after spmd collectives that need gradients: its backward runs per rank, theirs "
+            "as one pass over all ranks, and one call cannot do both; run this shard_map on "
+            "Mesh(..., schedule='threads'), or call the converted model first")
+    run.per_rank_backward = True
+
+
 def in_rank_greenlet() -> bool:
     """Whether the calling code runs as a rank greenlet of the simulated mesh, where
     ``spmd.custom_vjp`` rules are one autograd node over every rank."""

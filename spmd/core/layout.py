@@ -50,7 +50,8 @@ class Layout:
             sizes do not add up to the dim or have the wrong count.
     """
 
-    __slots__ = ("shape", "spec", "axis_names", "mesh_shape", "sizes", "_starts", "_table")
+    __slots__ = ("shape", "spec", "axis_names", "mesh_shape", "sizes", "_starts", "_table",
+                 "_hash")
 
     def __init__(self, shape: Sequence[int], spec: Any, mesh: Any,
                  sizes: Mapping[int, Sequence[int]] | Sequence[Sequence[int] | None] | None = None):
@@ -268,7 +269,11 @@ class Layout:
         return isinstance(other, Layout) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        try:
+            return self._hash
+        except AttributeError:  # computed once: a layout does not change
+            self._hash = hash(self._key())
+            return self._hash
 
     def __reduce__(self):
         return (_rebuild, (self.shape, tuple(self.spec), self.axis_names, self.mesh_shape, self.sizes))

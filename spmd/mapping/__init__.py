@@ -306,6 +306,7 @@ class _ShardMap:
                 out = self.f(*args_local)
             return out, local_in, anchors
 
+        report = {"per_rank_backward": False}
         if per_rank:
             rank = self.mesh.rank
             with RankContext(self.mesh, rank):
@@ -315,11 +316,13 @@ class _ShardMap:
             if self.mesh.backend != "threads":
                 raise SpecError(f"shard_map on {self.mesh!r} must be called on every rank")
             if self.schedule == "greenlets":
-                from ..comm.rank_greenlets import run_on_greenlets as run
+                from ..comm.rank_greenlets import run_on_greenlets
+                results = dict(enumerate(run_on_greenlets(
+                    self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank",
+                    report=report)))
             else:
-                run = run_on_threads
-            results = dict(enumerate(run(self.mesh, run_rank,
-                                         rank_rng=self.mesh.rng == "per_rank")))
+                results = dict(enumerate(run_on_threads(
+                    self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank")))
             ranks = list(range(self.mesh.size))
 
         outs = {r: _tree.flatten(results[r][0]) for r in ranks}
@@ -343,7 +346,8 @@ class _ShardMap:
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
         state.anchors = [results[r][2] for r in ranks]
         state.seq0 = seq0.get(ranks[0])
-        state.green = not per_rank and self.schedule == "greenlets"
+        state.green = not per_rank and self.schedule == "greenlets" and \
+            not report["per_rank_backward"]
         global_outs = state.assemble(bool(sharded))
         if grad_on and state.any_out_grad:
             if outer:  # a parameter the body closes over: found only now, alike on all ranks

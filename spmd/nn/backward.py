@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core._local import RankLocal
 from ..comm import rank_threads
+from ..comm.threads import in_rank_greenlet
 from ..core import _context
 from ..core.errors import SpecError
 from . import streams
@@ -111,6 +112,9 @@ class _Pushed:
         # region's forward started from (processes: checkpoint restores it itself).
         mode = _rank_random() if rng else None
         self.rng = mode.state.clone() if mode is not None else None
+        if rng and mode is None and in_rank_greenlet() and run.mesh.rng == "per_rank":
+            # a rank greenlet draws from torch's generator, which holds its own state
+            self.rng = torch.get_rng_state()
         # the streams the ranks share for replicated draws, likewise
         self.streams = streams.snapshot(run) if rng and not run.planning else None
 

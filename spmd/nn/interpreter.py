@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..comm.threads import per_rank_backward
 from ..core import _context
 from ..core.errors import SpecError
 from . import rules, steps
@@ -216,6 +217,11 @@ class _Run:
     def start(self) -> None:
         self.base = _user_frame()  # the model's caller: lines there are not the forward's
         _local.run = self
+        if not self.planning and torch.is_grad_enabled():
+            # Its backward pushes this conversion again on each rank (checkpoint
+            # recomputes, tensor hooks: backward.py), whose calls communicate outside
+            # custom_vjp rules: on rank greenlets, the ranks' backwards run per rank.
+            per_rank_backward()
         self._prev_converting = _context.set_converting(True)
         self.mode.__enter__()
 

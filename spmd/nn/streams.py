@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from ..core._local import RankLocal
 from .. import random as invariant
 from ..comm import comm_of, rank_threads
+from ..comm.threads import in_rank_greenlet
 from ..core import _context
+from ..core._local import RankLocal
 from ..core.errors import SpecError
 
 __all__ = ["use", "rank_of", "snapshot", "replaying"]
@@ -153,7 +154,7 @@ def use(run: Any, key: tuple, device: torch.device) -> Iterator[None]:
             g.set_state(mode.state)
             mode.state = saved
         return
-    if run.mesh.backend == "threads" and run.mesh.size > 1:
+    if run.mesh.backend == "threads" and run.mesh.size > 1 and not in_rank_greenlet():
         raise SpecError(
             f"convert: a random draw on {device} replicated over ranks of a threads mesh "
             f"needs each rank thread's own generator, which spmd keeps for the CPU only "
