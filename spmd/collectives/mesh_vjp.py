@@ -16,39 +16,65 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 
 from ..comm import comm_of
+from ..comm._torch_state import saved_tensor_hooks
 from ..comm.stats import in_backward
 from ..comm.threads import in_rank_greenlet
+from ..core._engine import keep_graph
 from ..core.errors import SpecError
 
 __all__ = ["mesh_call"]
 
 
-def mesh_call(rule: Any, run: Any, args: tuple) -> Any:
+def mesh_call(rule: Any, run: Any, args: tuple, stash: Any) -> Any:
     """``rule(*args)`` on this rank, joined with the other ranks' calls into one node.
 
     The ranks meet by position: each rank's k-th such call joins the others' k-th, which
     may be another rule (a rank with an empty shard takes another path through an op
-    than its peers, with the same collectives)."""
+    than its peers, with the same collectives). ``stash``: where custom_vjp's
+    ``needs_input_grad()`` reads from."""
     with torch.no_grad():
         out, res = rule.fwd(*args)
+    hooks = saved_tensor_hooks()
+    if hooks is not None:
+        # What save_for_backward would do with this rank's hooks (they are this rank's:
+        # the node is made on whichever rank arrives last).
+        res = _Packed(res, *hooks)
     return run.meet("custom_vjp", (rule, args, out, res),
-                    lambda items: _node(run.mesh, items))
+                    lambda items: _node(run.mesh, items, stash))
+
+
+class _Packed:
+    """Residuals packed by the saved-tensor hooks of the rank that made them."""
+
+    __slots__ = ("leaves", "spec", "unpack")
+
+    def __init__(self, res: Any, pack: Any, unpack: Any):
+        leaves, self.spec = optree.tree_flatten(res, none_is_leaf=True)
+        self.leaves = [(True, pack(t)) if isinstance(t, torch.Tensor) else (False, t)
+                       for t in leaves]
+        self.unpack = unpack
+
+    def get(self) -> Any:
+        return optree.tree_unflatten(self.spec, [self.unpack(v) if packed else v
+                                                 for packed, v in self.leaves])
 
 
 class _Info:
-    __slots__ = ("mesh", "ranks", "items", "pos", "metas", "n_in", "n_outs")
+    __slots__ = ("mesh", "ranks", "items", "pos", "metas", "n_in", "n_outs", "stash")
 
-    def __init__(self, mesh, ranks, items, pos, n_in):
+    def __init__(self, mesh, ranks, items, pos, n_in, stash):
         self.mesh, self.ranks, self.items, self.pos = mesh, ranks, items, pos
+        self.stash = stash
         self.metas: list[tuple] = []  # every output's (shape, dtype, device), rank order
         self.n_in = n_in
         self.n_outs: dict[int, int] = {}
 
 
-def _node(mesh: Any, items: dict[int, tuple]) -> dict[int, Any]:
+def _node(mesh: Any, items: dict[int, tuple], stash: Any) -> dict[int, Any]:
     ranks = sorted(items)
     flat_in: list[torch.Tensor] = []
     pos: dict[int, list[int | None]] = {}
@@ -73,7 +99,7 @@ def _node(mesh: Any, items: dict[int, tuple]) -> dict[int, Any]:
         kept[r] = (rule, [args[i] for i in rule.nondiff_argnums],
                    tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args),
                    res, out)
-    outs = _MeshVJP.apply(_Info(mesh, ranks, kept, pos, len(flat_in)), *flat_in)
+    outs = _MeshVJP.apply(_Info(mesh, ranks, kept, pos, len(flat_in), stash), *flat_in)
     result, k = {}, 0
     for r in ranks:
         out = items[r][2]
@@ -106,7 +132,6 @@ class _MeshVJP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         from ..comm.rank_greenlets import run_ranks
-        from ..mapping._graph import _keep_graph
 
         if in_rank_greenlet():
             # The engine runs on one rank greenlet, inside a body: a per-rank backward,
@@ -127,7 +152,7 @@ class _MeshVJP(torch.autograd.Function):
             # Each rank's backward on its own thread (shard_map chose it: the forward
             # installed backward code of its own that communicates): this rank's part.
             return _one_rank(ctx, info, grads)
-        if not _keep_graph():
+        if not keep_graph():
             ctx.info = None
         per, k = {}, 0
         for r in info.ranks:
@@ -148,9 +173,10 @@ class _MeshVJP(torch.autograd.Function):
 
 def _bwd(info: _Info, r: int, g: Any) -> tuple:
     """Rank ``r``'s rule's ``bwd`` for cotangent ``g``, checked like custom_vjp's."""
-    from .vjp import _stash
-
+    _stash = info.stash
     rule, nd, needs, res, _ = info.items[r]
+    if isinstance(res, _Packed):
+        res = res.get()
     name = rule.fun.__name__
     prev = getattr(_stash, "needs", None)
     _stash.needs = needs

@@ -14,7 +14,9 @@ import torch
 
 from ..core._local import RankLocal
 from ..comm.stats import in_backward
+from ..comm._torch_state import saved_tensor_hooks
 from ..comm.threads import _tls as _comm_tls
+from ..comm.threads import per_rank_backward
 from .mesh_vjp import mesh_call
 
 __all__ = ["custom_vjp", "needs_input_grad"]
@@ -65,10 +67,13 @@ class custom_vjp:
         if not _needs_grad(args):
             return self.fun(*args)
         run = getattr(_comm_tls, "green", None)
+        if run is not None and not run.per_rank_backward and _checkpointing():
+            # torch.utils.checkpoint recomputes in backward, on each rank: per-rank nodes
+            per_rank_backward()
         if run is not None and not run.per_rank_backward and \
                 not torch._C._are_functorch_transforms_active():
             # a rank greenlet of the simulated mesh: one node for every rank's call
-            return mesh_call(self, run, args)
+            return mesh_call(self, run, args, _stash)
         try:
             # The ctx-style Function skips the per-call signature binding that torch does
             # for setup_context-style ones (~10 us); torch refuses it under torch.func.
@@ -197,3 +202,10 @@ def _make_function(name: str, fwd: Callable, bwd: Callable,
         "backward": staticmethod(backward),
     })
 
+
+
+def _checkpointing() -> bool:
+    """Whether the innermost saved-tensor hooks are torch.utils.checkpoint's (its region
+    is recomputed in backward, where the recompute's collectives run per rank)."""
+    hooks = saved_tensor_hooks()
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")

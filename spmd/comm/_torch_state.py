@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankState", "take", "put", "guards", "inside_guard"]
+__all__ = ["RankState", "take", "put", "guards", "inside_guard", "saved_tensor_hooks"]
 
 _C = torch._C
 _auto = torch._C._autograd
@@ -149,3 +149,8 @@ def inside_guard(baseline: tuple) -> str | None:
         return "code that runs below autograd or with dispatch keys changed (a function " \
                "compiled with torch.compile, a custom op's kernel)"
     return None
+
+
+def saved_tensor_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks of the calling thread (pack, unpack), if any."""
+    return _h_top(True)

@@ -8,6 +8,8 @@ import torch
 
 
 
+
+
 def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int, torch.Tensor]) -> None:
     """Leaves needing grad reached from ``roots``' graphs, excluding ``exclude`` ids."""
     stack, seen = [], set()
@@ -29,19 +31,6 @@ def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int,
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 stack.append(nxt)
-
-
-def _keep_graph() -> bool:
-    """Whether the running backward keeps its graph (``retain_graph=True``): then the
-    ranks' graphs are kept too. Otherwise, in per-rank code, each node of the body's
-    graph frees what it saved as soon as it has run, as on one device (keeping them all
-    to the end of the backward cost 16% of the demo CNN's peak memory).
-
-    torch answers only through private calls, the ones AOTAutograd uses for the same
-    questions (here, and the node numbers below); where one is missing, the graphs are
-    kept: exact, with more memory."""
-    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return True if ask is None else bool(ask())
 
 
 def _next_node_number() -> int | None:

@@ -19,7 +19,8 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..transforms.sharded import Sharded, same_cut
 from ._agreement import _MASK, _fingerprint, _same_py
-from ._graph import _graph_leaves, _keep_graph, _reaches_older_nodes
+from ..core._engine import keep_graph as _keep_graph
+from ._graph import _graph_leaves, _reaches_older_nodes
 from ._outputs import _assemble_threads, _check_rep_per_rank, _check_rep_threads, _exchange_out_layouts, _gather_global, _out_layout, _rep_factor
 
 

@@ -537,7 +537,7 @@ def test_double_backward_and_torch_func_on_a_split_dim_match_the_reference(sizes
     """With grad mode on in backward the overlapped op differentiates its plain form (the
     window fetched whole): a Hessian-vector product and torch.func.grad equal the
     reference's, on uneven shards, an empty one, and shards narrower than the window."""
-    mesh = spmd.Mesh((3,), ("sp",))
+    mesh = spmd.Mesh((3,), ("sp",), schedule="threads")  # a backward inside the body
     L = sum(sizes)
     lay = Layout((1, L, 2, 3), P(None, "sp"), mesh, {1: sizes})
     q, k, v, rpb = _qkv((1, L), rpb_ks=(5,))
@@ -562,7 +562,7 @@ def test_double_backward_and_torch_func_on_a_split_dim_match_the_reference(sizes
 def test_double_backward_and_torch_func_over_two_split_dims_match_the_reference():
     """The same on a 2 x 3 mesh splitting rows and columns, with an empty shard and
     shards narrower than the window: the plain form fetches both levels again."""
-    mesh = spmd.Mesh((2, 3), ("x", "y"))
+    mesh = spmd.Mesh((2, 3), ("x", "y"), schedule="threads")  # a backward inside the body
     lay = Layout((1, 9, 8, 2, 3), P(None, "x", "y"), mesh, {1: (3, 6), 2: (1, 0, 7)})
     q, k, v, rpb = _qkv((1, 9, 8), rpb_ks=(5, 3))
     loss = lambda y: (y.tanh() ** 2).sum()  # noqa: E731

@@ -155,10 +155,10 @@ OPS = {
 MESHES = {"sp2": ((2,), ("sp",)), "sp4": ((4,), ("sp",)), "2x2": ((2, 2), ("x", "y"))}
 
 
-def _setup(mesh_kind: str, n: int) -> tuple[torch.Tensor, spmd.Mesh, P, Layout]:
+def _setup(mesh_kind: str, n: int, **mesh_kw) -> tuple[torch.Tensor, spmd.Mesh, P, Layout]:
     """An input with ``n`` spatial dims, the mesh, and a spec splitting the first spatial
     dim (the first two on the 2x2 mesh), each 32 long."""
-    mesh = spmd.Mesh(*MESHES[mesh_kind])
+    mesh = spmd.Mesh(*MESHES[mesh_kind], **mesh_kw)
     names = mesh.axis_names
     x = torch.randn(1, 4, *([32] * len(names)), *([8] * (n - len(names))),
                     generator=torch.Generator().manual_seed(5))
@@ -267,10 +267,11 @@ def test_double_backward_and_torch_func_match_one_device(name, mesh_kind):
     on uneven shards with an empty one too."""
     c = OPS[name]
     args = tuple(a.detach().double() if isinstance(a, torch.Tensor) else a for a in c.args)
+    # a backward on each rank inside the body: a thread per rank (shard-map.md)
     if mesh_kind == "2x2":
-        x, mesh, spec, lay = _setup("2x2", 2)
+        x, mesh, spec, lay = _setup("2x2", 2, schedule="threads")
     else:
-        mesh, spec = spmd.Mesh((3,), ("sp",)), P(None, None, "sp")
+        mesh, spec = spmd.Mesh((3,), ("sp",), schedule="threads"), P(None, None, "sp")
         x = torch.randn(1, 4, 32, 8, generator=torch.Generator().manual_seed(6))
         lay = Layout(x.shape, spec, mesh, {2: (12, 0, 20)})
     x = x.double()
@@ -293,7 +294,7 @@ def test_double_backward_and_torch_func_match_one_device(name, mesh_kind):
 
 def test_halo_pad_double_backward_is_exact():
     """halo_pad's backward (the transpose) is differentiable, its backward the fetch."""
-    mesh = spmd.Mesh((3,), ("sp",))
+    mesh = spmd.Mesh((3,), ("sp",), schedule="threads")  # a backward inside the body
     x = torch.randn(9, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     lay = Layout(x.shape, P("sp"), mesh, {0: (4, 0, 5)})
 
