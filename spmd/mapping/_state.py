@@ -170,16 +170,7 @@ class _State:
             [t for t in local_outs[0] + anchors[0] if isinstance(t, torch.Tensor)], self.seq0)
 
         def rank_grads(pos: int, rank: int):
-            outs, cots = [], []
-            for (k, p), g in zip(self.node_map, gouts):
-                t = local_outs[pos][k]
-                if g is None or t is None or not t.requires_grad or p not in (None, pos):
-                    continue
-                outs.append(t)
-                if p is None:  # a global output: this rank's part of its cotangent
-                    lay = self.out_layouts[k]
-                    g = lay.shard(g, rank) / _rep_factor(lay)
-                cots.append(g)
+            outs, cots = self._roots(pos, rank, gouts, local_outs)
             ins = list(self.local_ins[pos]) + self.params
             if not outs:
                 return [None] * len(ins)
@@ -227,6 +218,21 @@ class _State:
                 grads = self._sum_over_mesh(grads)
         return grads[:n_in] + sgrads + grads[n_in:]
 
+    def _roots(self, pos: int, rank: int, gouts, local_outs: list[list]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Rank ``rank``'s outputs that need a gradient and their cotangents."""
+        outs, cots = [], []
+        for (k, p), g in zip(self.node_map, gouts):
+            t = local_outs[pos][k]
+            if g is None or t is None or not t.requires_grad or p not in (None, pos):
+                continue
+            outs.append(t)
+            if p is None:  # a global output: this rank's part of its cotangent
+                lay = self.out_layouts[k]
+                g = lay.shard(g, rank) / _rep_factor(lay)
+            cots.append(g)
+        return outs, cots
+
     def _one_pass(self, gouts, local_outs: list[list], anchors: list[list], keep: bool
                   ) -> list[list]:
         """Every rank's backward as ONE pass of torch's engine over all their graphs (the
@@ -235,15 +241,9 @@ class _State:
         (summed over the ranks by the engine) with the first."""
         outs, cots, ins, roots = [], [], [], []
         for pos, rank in enumerate(self.ranks):
-            for (k, p), g in zip(self.node_map, gouts):
-                t = local_outs[pos][k]
-                if g is None or t is None or not t.requires_grad or p not in (None, pos):
-                    continue
-                outs.append(t)
-                if p is None:  # a global output: this rank's part of its cotangent
-                    lay = self.out_layouts[k]
-                    g = lay.shard(g, rank) / _rep_factor(lay)
-                cots.append(g)
+            o, c = self._roots(pos, rank, gouts, local_outs)
+            outs += o
+            cots += c
             ins += self.local_ins[pos]
             roots += anchors[pos]
         n_local = [len(x) for x in self.local_ins]
