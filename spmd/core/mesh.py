@@ -74,13 +74,13 @@ class Mesh:
             rank's random draws (dropout, ``torch.rand``, ...) come from a generator of
             its own, seeded by one draw of the caller's generator at each call, so a
             seeded program is reproducible and ranks draw independently, as processes
-            do; ``spmd.manual_seed`` seeds one rank's generator (``torch.manual_seed``
-            on a rank thread would seed the shared one: the next draw raises). The
-            per-rank programs of ``spmd.launch`` draw the same way. It routes every
-            torch call on the rank threads through Python, which the threads then take
-            turns for: on 2 cores a trivial 8-rank shard_map call takes 1.4x as long
-            (``benchmarks/shard_map_overhead.py``), the demo's 4-rank step 5-15 % longer.
-            ``"shared"``: torch's one
+            do; ``spmd.manual_seed`` seeds one rank's generator. On rank greenlets
+            (``schedule``) each rank's state is swapped into torch's generator at every
+            switch, so ``torch.manual_seed`` in a body seeds that rank only. On rank
+            threads (and in ``spmd.launch``'s per-rank programs) every torch call goes
+            through a mode that draws from the rank's state (on 2 cores a trivial 8-rank
+            call takes 1.4x as long), and ``torch.manual_seed`` there would seed the one
+            generator the threads share: the next draw raises. ``"shared"``: torch's one
             generator, drawn in whatever order the threads run. Processes always have
             their own.
         schedule: on a threads mesh, how a ``shard_map`` call runs its ranks:

@@ -79,8 +79,8 @@ def test_a_rank_that_leaves_the_plan_raises_and_the_others_stop_threads(mode, le
     assert kind == "SpecError", got
     where = {"mean": "in Branchy (" + _line("h.mean((2, 3)") + ")",
              "b": "in 'b' (" + _line("self.b(h)") + ")"}
-    assert (f"convert: rank 2 left the plan of Branchy's forward at its communicating step "
-            f"#1: " + left.format(**where) + ". Every rank must run") in msg
+    assert ("convert: rank 2 left the plan of Branchy's forward at its communicating step "
+            "#1: " + left.format(**where) + ". Every rank must run") in msg
     for r in (0, 1, 3):
         kind, msg = got[r]
         assert kind == "CommAborted", got[r]
