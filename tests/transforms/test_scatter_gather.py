@@ -434,9 +434,9 @@ def _piece_input(shape, trans, dtype, seed):
 def _scatter_in_pieces(mesh):
     """Pieces of 48 bytes: every shard travels in many pieces, strided ones through the
     staging buffers (carved from the source's result, or of their own where it is small)."""
-    from spmd.comm import distributed
-    saved = distributed._PIECE
-    distributed._PIECE = 48
+    from spmd.comm import _scatter
+    saved = _scatter._PIECE
+    _scatter._PIECE = 48
     try:
         bad = []
         for c, (shape, spec, sizes, trans) in enumerate(_PIECE_CASES):
@@ -449,7 +449,7 @@ def _scatter_in_pieces(mesh):
                     bad.append((c, str(dt)))
         return bad
     finally:
-        distributed._PIECE = saved
+        _scatter._PIECE = saved
 
 
 @pytest.mark.gloo
