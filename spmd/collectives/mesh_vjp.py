@@ -151,7 +151,7 @@ class _MeshVJP(torch.autograd.Function):
         if not comm_of(info.mesh).one_pass:
             # Each rank's backward on its own thread (shard_map chose it: the forward
             # installed backward code of its own that communicates): this rank's part.
-            return _one_rank(ctx, info, grads)
+            return _one_rank(info, grads)
         if not keep_graph():
             ctx.info = None
         per, k = {}, 0
@@ -208,7 +208,7 @@ def _flat(info: _Info, got: dict[int, tuple]) -> list[torch.Tensor | None]:
     return flat
 
 
-def _one_rank(ctx: Any, info: _Info, grads: tuple) -> tuple:
+def _one_rank(info: _Info, grads: tuple) -> tuple:
     """The backward of the rank whose thread runs it: its outputs' cotangents in,
     gradients for its inputs only; the other ranks' threads run theirs."""
     from ..core._context import current

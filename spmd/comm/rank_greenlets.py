@@ -32,11 +32,11 @@ from greenlet import getcurrent, greenlet
 
 from .. import random as _invariant
 from ..core._context import pop, push
-from ..core.errors import CommAborted, CommTimeout, tag_rank
+from ..core.errors import CommAborted, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from . import comm_of
 from ._torch_state import RankState, guards, inside_guard, put, take
-from ..core.errors import SpecError
+from .rank_threads import caller_seed, raise_first, rank_seed, take_turn
 from .threads import _axes, _tls
 
 __all__ = ["run_on_greenlets"]
@@ -59,15 +59,9 @@ def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *, rank_rng: bool = F
         [0, 10, 20]
     """
     comm = comm_of(mesh)
-    if not comm.run_lock.acquire(timeout=mesh.timeout):
-        raise CommTimeout(f"a per-rank program has been running on {mesh!r} for more than "
-                          f"{mesh.timeout:g} s in another thread; calls on one threads mesh "
-                          f"take turns", op="run_on_greenlets")
+    take_turn(comm, mesh, mesh.timeout, "run_on_greenlets")
     try:
-        seed = None
-        if rank_rng and mesh.size > 1:
-            with _invariant.paused():  # not one of the program's draws
-                seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        seed = caller_seed() if rank_rng and mesh.size > 1 else None
         run = _Run(mesh, fn, comm, range(mesh.size), seed)
         try:
             return run.run()
@@ -89,11 +83,6 @@ def run_ranks(mesh: Mesh, ranks: Sequence[int], fn: Callable[[int], Any]) -> lis
     return run.run()
 
 
-def current_run() -> _Run | None:
-    """The greenlet run the calling rank belongs to, if any."""
-    return getattr(_tls, "green", None)
-
-
 class _Run:
     """One per-rank program run: the greenlets, their torch states, and the waits."""
 
@@ -104,8 +93,7 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
         self.per_rank_rng = seed is not None
-        self.states = {r: RankState(seed=None if seed is None else
-                                    (seed * 1_000_003 + r) % (2 ** 63 - 1))
+        self.states = {r: RankState(seed=None if seed is None else rank_seed(seed, r))
                        for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()
@@ -135,10 +123,7 @@ class _Run:
             put(caller)
             _give_back([w for r, w in self.lets.items() if r in self.done])
         if self.errors:
-            # A rank cancelled because another failed is a symptom; report the cause.
-            errs = sorted(self.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
-            _, rank, exc = errs[0]
-            raise tag_rank(exc, rank)
+            raise_first(self.errors)
         return [self.results[r] for r in self.ranks]
 
     def _body(self, rank: int) -> None:

@@ -166,16 +166,11 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
     """
     timeout = mesh.timeout if timeout is None else check_timeout(timeout, "run_on_threads")
     comm = comm_of(mesh)
-    if not comm.run_lock.acquire(timeout=timeout):
-        raise CommTimeout(f"a per-rank program has been running on {mesh!r} for more than "
-                          f"{timeout:g} s in another thread; calls on one threads mesh take "
-                          f"turns", op="run_on_threads")
+    take_turn(comm, mesh, timeout, "run_on_threads")
     try:
         batch = _Batch(mesh, fn, comm, comm.begin())
-        # one draw of the caller's generator seeds every rank's own (reproducible)
         if rank_rng and mesh.size > 1:
-            with _invariant.paused():  # not one of the program's draws
-                batch.seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+            batch.seed = caller_seed()
             with _rng_lock:
                 _left[0] = torch.get_rng_state()
         workers = ([_Worker(persistent=False) for _ in range(mesh.size - 1)] if own_threads
@@ -192,10 +187,7 @@ def run_on_threads(mesh: Mesh, fn: Callable[[int], Any], *, timeout: float | Non
                                   f"finish within {timeout:g} s", op="run_on_threads",
                                   missing=tuple(late))
         if batch.errors:
-            # A rank cancelled because another failed is a symptom; report the cause.
-            errs = sorted(batch.errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
-            _, rank, exc = errs[0]
-            raise tag_rank(exc, rank)
+            raise_first(batch.errors)
         return batch.results
     finally:
         comm.run_lock.release()
@@ -268,8 +260,37 @@ class _Batch:
 
 
 def _rank_random(seed: int | None, rank: int):
-    return contextlib.nullcontext() if seed is None else \
-        _RankRandom((seed * 1_000_003 + rank) % (2 ** 63 - 1))
+    return contextlib.nullcontext() if seed is None else _RankRandom(rank_seed(seed, rank))
+
+
+# -- what rank threads and rank greenlets (rank_greenlets.py) share -----------------------
+
+def take_turn(comm: Any, mesh: Mesh, timeout: float, op: str, what: str = "") -> None:
+    """Hold ``comm.run_lock`` for one per-rank program (calls on one threads mesh from
+    several Python threads take turns); the caller releases it."""
+    if not comm.run_lock.acquire(timeout=timeout):
+        raise CommTimeout(f"{what}a per-rank program has been running on {mesh!r} for more "
+                          f"than {timeout:g} s in another thread; calls on one threads mesh "
+                          f"take turns", op=op)
+
+
+def caller_seed() -> int:
+    """One draw of the caller's generator, which seeds every rank's own (so a seeded
+    program is reproducible); not one of the program's draws under spmd.random."""
+    with _invariant.paused():
+        return int(torch.randint(0, 2 ** 62, (1,)).item())
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank ``rank``'s generator seed, from ``caller_seed()``'s ``seed``."""
+    return (seed * 1_000_003 + rank) % (2 ** 63 - 1)
+
+
+def raise_first(errors: list[tuple[float, int, BaseException]]) -> None:
+    """Raise the first failure of a run, tagged with its rank: a rank cancelled because
+    another failed is a symptom, so the cause comes first, then the earliest."""
+    _, rank, exc = min(errors, key=lambda e: (isinstance(e[2], CommAborted), e[0]))
+    raise tag_rank(exc, rank)
 
 
 class _Worker:

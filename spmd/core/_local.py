@@ -53,7 +53,3 @@ class RankLocal:
             del self._values()[name]
         except KeyError:
             raise AttributeError(name) from None
-
-    @property
-    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
-        return self._values()

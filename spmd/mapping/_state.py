@@ -8,12 +8,12 @@ from typing import Any
 import torch
 
 from ..comm import comm_of, validating
-from ..comm.rank_threads import run_on_threads
+from ..comm.rank_threads import run_on_threads, take_turn
 from ..comm.stats import in_backward
 from ..core import _tree
 from ..core._context import RankContext, one_pass
 from ..core._format import describe, shape_str
-from ..core.errors import CommTimeout, SpecError
+from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
@@ -251,10 +251,7 @@ class _State:
             return [[None] * (n + (len(self.params) if pos == 0 else 0))
                     for pos, n in enumerate(n_local)]
         comm = comm_of(self.mesh)
-        if not comm.run_lock.acquire(timeout=self.mesh.timeout):
-            raise CommTimeout(f"shard_map backward: a per-rank program has been running on "
-                              f"{self.mesh!r} for more than {self.mesh.timeout:g} s in "
-                              f"another thread", op="shard_map")
+        take_turn(comm, self.mesh, self.mesh.timeout, "shard_map", "shard_map backward: ")
         comm.one_pass = True
         try:
             with one_pass():
