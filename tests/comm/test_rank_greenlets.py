@@ -177,22 +177,6 @@ def test_ranks_waiting_in_different_collectives_are_named():
                              "did not arrive (rank 0 waits in psum over axis 'b')")
 
 
-def test_an_error_on_one_rank_cancels_the_others_naming_it():
-    seen = {}
-
-    def fn(rank):
-        if rank == 1:
-            raise ValueError("boom")
-        try:
-            spmd.psum(torch.ones(1), "sp")
-        except spmd.CommAborted as e:
-            seen[rank] = e
-    with pytest.raises(ValueError, match="rank 1: boom"):
-        run_on_greenlets(_mesh(), fn)
-    assert sorted(seen) == [0, 2]
-    assert all("cancelled because rank 1 failed" in str(e) for e in seen.values())
-
-
 def test_one_backward_pass_gives_the_same_gradients_and_traffic_as_rank_threads():
     """A halo'd conv, a norm and psum on uneven shards, one rank holding none: values,
     gradients and every collective's bytes per rank and pass equal the threads

@@ -92,10 +92,14 @@ def test_an_error_on_one_rank_is_reported_without_waiting_for_a_stuck_one():
     assert f(torch.ones(3)).item() == 3.0
 
 
-def test_a_cancelled_collective_names_the_rank_that_failed():
+@pytest.mark.parametrize("runner", ["threads", "greenlets"])
+def test_a_cancelled_collective_names_the_rank_that_failed(runner):
     """The ranks whose psum is cancelled by rank 1's failure are told which rank failed,
-    in the message and in CommAborted's op, axes and missing."""
+    in the message and in CommAborted's op, axes and missing (rank threads and rank
+    greenlets alike)."""
+    from spmd.comm.rank_greenlets import run_on_greenlets
     from spmd.comm.rank_threads import run_on_threads
+    run = run_on_threads if runner == "threads" else run_on_greenlets
     mesh = spmd.Mesh((3,), ("sp",))
     seen = {}
 
@@ -108,7 +112,7 @@ def test_a_cancelled_collective_names_the_rank_that_failed():
         except spmd.CommAborted as e:
             seen[rank] = e
     with pytest.raises(ValueError, match="rank 1: boom"):
-        run_on_threads(mesh, fn)
+        run(mesh, fn)
     assert sorted(seen) == [0, 2]
     for e in seen.values():
         assert "cancelled because rank 1 failed (ValueError('boom'))" in str(e)
