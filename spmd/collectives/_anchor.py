@@ -17,14 +17,21 @@ class collect_anchors:
     """Collect the anchors that collectives create on this thread (see ``anchor``)."""
 
     def __enter__(self) -> list:
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
+        stack = anchor_stack()
         stack.append([])
         return stack[-1]
 
     def __exit__(self, *exc) -> None:
         _local.stack.pop()
+
+
+def anchor_stack() -> list[list]:
+    """This thread's (or rank greenlet's) anchor lists, innermost last: shard_map
+    pushes one per body; ``collect_anchors`` does the same around other code."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
 def anchor(x):

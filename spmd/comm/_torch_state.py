@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankState", "take", "put", "guards", "inside_guard", "saved_tensor_hooks"]
+__all__ = ["RankState", "take", "put", "guards", "inside_guard", "saved_tensor_hooks",
+           "next_sequence_nr"]
 
 _C = torch._C
 _auto = torch._C._autograd
@@ -37,6 +38,10 @@ try:
 except AttributeError as e:  # pragma: no cover - a torch this module was not written for
     raise ImportError(f"spmd's simulated mesh needs torch's mode-stack internals ({e}); "
                       f"use Mesh(..., ranks='threads') or a torch >= 2.5") from None
+
+# The number the next autograd node made on this thread gets (torch has no public API;
+# without it, spmd makes a node and reads its number, ~6 us).
+next_sequence_nr = getattr(_auto, "_get_sequence_nr", None)
 
 _default_gen = torch.default_generator
 

@@ -215,15 +215,9 @@ class LayoutTrace:
         self.recorded.append((key, value))
 
 
-def push_trace(trace: LayoutTrace) -> None:
-    _traces().append(trace)
-
-
-def pop_trace() -> None:
-    _traces().pop()
-
-
-def _traces() -> list:
+def trace_stack() -> list:
+    """The layout traces of the shard_map bodies this thread (or rank greenlet) runs,
+    innermost last: shard_map pushes and pops its own."""
     t = getattr(_local, "traces", None)
     if t is None:
         t = _local.traces = []
@@ -232,7 +226,7 @@ def _traces() -> list:
 
 def current_trace(mesh: Mesh) -> LayoutTrace | None:
     """The innermost shard_map body's trace on ``mesh`` running on this thread, if any."""
-    for t in reversed(_traces()):
+    for t in reversed(trace_stack()):
         if t.mesh is mesh:
             return t
     return None

@@ -11,8 +11,6 @@ gradient is needed. Both decisions use only specs, the same on every rank
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import optree
@@ -24,32 +22,23 @@ from .layout import Layout
 from .mesh import Mesh
 from .spec import P
 
-__all__ = ["mapped_over", "enclosing_axes", "spec_axes", "check_nested", "refuse_nested_grad"]
+__all__ = ["nesting_stack", "enclosing_axes", "spec_axes", "check_nested", "refuse_nested_grad"]
 
 _local = RankLocal()  # each rank thread runs its own body
 
 
-def _stack() -> list[tuple[Mesh, tuple[str, ...]]]:
+def nesting_stack() -> list[tuple[Mesh, tuple[str, ...]]]:
+    """The (mesh, axes) of the shard_map bodies this thread (or rank greenlet) runs,
+    innermost last: shard_map pushes and pops its own entry."""
     st = getattr(_local, "stack", None)
     if st is None:
         st = _local.stack = []
     return st
 
 
-@contextmanager
-def mapped_over(mesh: Mesh, axes: tuple[str, ...]) -> Iterator[None]:
-    """While a body runs on this thread: it is mapped over ``axes`` of ``mesh``."""
-    st = _stack()
-    st.append((mesh, axes))
-    try:
-        yield
-    finally:
-        st.pop()
-
-
 def enclosing_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes of ``mesh`` the enclosing shard_map bodies are mapped over (mesh order)."""
-    used = {a for m, axes in _stack() if m is mesh for a in axes}
+    used = {a for m, axes in nesting_stack() if m is mesh for a in axes}
     return tuple(a for a in mesh.axis_names if a in used)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import optree
 import torch
 
-from ..collectives._anchor import collect_anchors
+from ..collectives._anchor import anchor_stack
 from ..collectives.compiled import prepare
 from ..comm import comm_of, validating
 from ..comm.rank_threads import run_on_threads
@@ -32,12 +32,11 @@ from ..core._context import (
     LayoutTrace,
     RankContext,
     in_rank_of,
-    pop_trace,
-    push_trace,
+    trace_stack,
     refuse_sparse,
 )
 from ..core._format import describe
-from ..core._nesting import check_nested, mapped_over, refuse_nested_grad, spec_axes
+from ..core._nesting import check_nested, nesting_stack, refuse_nested_grad, spec_axes
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
@@ -142,6 +141,31 @@ def _check_spec_tree(specs: Any, mesh: Mesh, root: str) -> None:
                             f"spmd.Layout or None")
 
 
+class _Signature:
+    """What a call's argument structure decides, computed once per structure: the input
+    layouts, the axes the body is mapped over, and where each rank's shard lies."""
+
+    __slots__ = ("layouts", "axes_mapped", "cuts", "copies", "sharded")
+
+    def __init__(self, mesh: Mesh, leaves: list, layouts: list, out_axes: frozenset):
+        self.layouts = layouts
+        used = out_axes | {a for lay in layouts if lay is not None for a in lay.spec.axes}
+        self.axes_mapped = tuple(a for a in mesh.axis_names if a in used)
+        self.sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
+        # (leaf, layout, per rank: the (dim, start, length) narrows that cut its shard)
+        self.cuts = [(i, lay, [tuple((d, lay.offsets(r)[d], lay.local_shape(r)[d])
+                                     for d in lay.split_dims) for r in range(mesh.size)])
+                     for i, lay in enumerate(layouts)
+                     if lay is not None and not isinstance(leaves[i], Sharded)]
+        # Rank threads share the caller's tensors: a replica other than the first gets a
+        # copy (made before any rank runs), so that an in-place op in the body acts once
+        # on the caller's tensor, as on processes and on one device.
+        self.copies = [(i, r) for i, lay in enumerate(layouts)
+                       if lay is not None and mesh.backend == "threads" and lay.replicated_axes
+                       for r in range(mesh.size)
+                       if any(mesh.axis_index(a, r) for a in lay.replicated_axes)]
+
+
 class _ShardMap:
     def __init__(self, f, mesh, in_specs, out_specs, check_rep, params_fn, static_layouts):
         self.f, self.mesh = f, mesh
@@ -158,10 +182,11 @@ class _ShardMap:
         self._in_cache: dict = {}
         self._out_cache: dict = {}
         self._out_spec_cache: dict = {}
+        self._out_axes = frozenset(spec_axes(out_specs))
 
     # -- inputs ---------------------------------------------------------------------------
 
-    def _in_layouts(self, args: tuple) -> tuple[list, Any, list]:
+    def _in_layouts(self, args: tuple) -> tuple[list, Any, _Signature]:
         leaves, treedef = _tree.flatten(args)
         key = (treedef, tuple(_leaf_key(x) for x in leaves))
         hit = self._in_cache.get(key)
@@ -181,7 +206,7 @@ class _ShardMap:
                                         f"the argument is {describe(x)}, not a tensor; only "
                                         f"tensors can be split (use P() or None)")
                     layouts.append(None)
-            hit = self._in_cache[key] = layouts
+            hit = self._in_cache[key] = _Signature(self.mesh, leaves, layouts, self._out_axes)
             if len(self._in_cache) > 64:
                 self._in_cache.pop(next(iter(self._in_cache)))
         return leaves, treedef, hit
@@ -219,7 +244,8 @@ class _ShardMap:
 
     def __call__(self, args: tuple) -> Any:
         _refuse_functorch()
-        leaves, treedef, layouts = self._in_layouts(args)
+        leaves, treedef, sig = self._in_layouts(args)
+        layouts = sig.layouts
         grad_on = torch.is_grad_enabled()
         diff = [i for i, x in enumerate(leaves)
                 if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
@@ -230,11 +256,9 @@ class _ShardMap:
         if outer and grad_on and (diff or any(isinstance(x, Sharded) for x in leaves)
                                   or (self.params_fn is not None and self.params_fn())):
             refuse_nested_grad(self.mesh, outer)
-        used = set(spec_axes(self.out_specs)) | {a for lay in layouts if lay is not None
-                                                 for a in lay.spec.axes}
-        axes_mapped = tuple(a for a in self.mesh.axis_names if a in used)
+        axes_mapped = sig.axes_mapped
         mine = [self.mesh.rank] if per_rank else list(range(self.mesh.size))
-        sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
+        sharded = sig.sharded
         named = self._check_sharded(args, leaves, sharded, mine)
         # Shards needing gradients: each is its own input of the call (per-rank semantics).
         sdiff = [(i, r) for i in sharded for r in mine
@@ -242,13 +266,8 @@ class _ShardMap:
 
         detached = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
         diff_set, sdiff_set = set(diff), set(sdiff)
-        # Rank threads share the caller's tensors: a replica other than the first gets a
-        # copy (made before any rank runs), so that an in-place op in the body acts once
-        # on the caller's tensor, as on processes and on one device.
-        copies = {(i, r): _shard_of(detached[i], lay, r).detach().clone()
-                  for i, lay in enumerate(layouts) if lay is not None and
-                  self.mesh.backend == "threads" and lay.replicated_axes
-                  for r in mine if any(self.mesh.axis_index(a, r) for a in lay.replicated_axes)}
+        copies = {(i, r): _shard_of(detached[i], layouts[i], r).detach().clone()
+                  for i, r in sig.copies if not per_rank or r == mine[0]} if sig.copies else None
 
         check = validating(self.mesh)
         if per_rank and self.mesh.backend == "torch" and comm_of(self.mesh).checks:
@@ -263,16 +282,18 @@ class _ShardMap:
 
         seq0: dict[int, int | None] = {}
         tkey = self._trace_key(treedef, leaves, layouts)
+        cuts, f, mesh = sig.cuts, self.f, self.mesh
 
         def run_rank(rank: int):
             if tkey is None:
                 return body_rank(rank)
-            trace = LayoutTrace(self.mesh, self._traces.get((tkey, rank)))
-            push_trace(trace)
+            trace = LayoutTrace(mesh, self._traces.get((tkey, rank)))
+            traces = trace_stack()
+            traces.append(trace)
             try:
                 out = body_rank(rank)
             finally:
-                pop_trace()
+                traces.pop()
             if trace.recorded != trace.cached:  # steady state: the same list, no lock
                 self._keep_trace((tkey, rank), trace.recorded)
             return out
@@ -280,31 +301,48 @@ class _ShardMap:
         def body_rank(rank: int):
             local_g, local_s = [], []
             loc = list(detached)
-            for i, lay in enumerate(layouts):
-                if lay is not None:
-                    t = copies.get((i, rank))
-                    if t is None:
-                        t = _shard_of(detached[i], lay, rank)
-                    if i in diff_set:
-                        t = t.requires_grad_()
-                        local_g.append(t)
-                    elif (i, rank) in sdiff_set:
-                        t = t.detach().requires_grad_()  # this rank's graph starts here
-                        local_s.append(t)
-                    mark(t, lay)  # ops check their spec= against it (core/provenance.py)
-                    loc[i] = t
+            for i, lay, by_rank in cuts:
+                t = copies.get((i, rank)) if copies else None
+                if t is None:
+                    t = detached[i]
+                    for d, start, n in by_rank[rank]:
+                        t = t.narrow(d, start, n)
+                if i in diff_set:
+                    t = t.requires_grad_()
+                    local_g.append(t)
+                mark(t, lay)  # ops check their spec= against it (core/provenance.py)
+                loc[i] = t
+            for i in sharded:
+                t = copies.get((i, rank)) if copies else None
+                if t is None:
+                    t = detached[i].shards[rank]
+                if (i, rank) in sdiff_set:
+                    t = t.detach().requires_grad_()  # this rank's graph starts here
+                    local_s.append(t)
+                mark(t, layouts[i])
+                loc[i] = t
             args_local = optree.tree_unflatten(treedef, loc)
             local_in = local_g + local_s
-            if not grad_on:  # rank threads start with grad mode on
-                with torch.no_grad(), mapped_over(self.mesh, axes_mapped):
-                    return self.f(*args_local), local_in, []
-            if per_rank or rank == 0:  # the body's nodes are numbered from here
-                # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
-                # thread, whose numbers those of the caller's own nodes are comparable to
-                seq0[rank] = _next_node_number()
-            with collect_anchors() as anchors, mapped_over(self.mesh, axes_mapped):
-                out = self.f(*args_local)
-            return out, local_in, anchors
+            nest = nesting_stack()
+            nest.append((mesh, axes_mapped))
+            try:
+                if not grad_on:  # rank threads start with grad mode on
+                    with torch.no_grad():
+                        return f(*args_local), local_in, []
+                if per_rank or rank == 0:  # the body's nodes are numbered from here
+                    # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
+                    # thread, whose numbers those of the caller's own nodes are comparable to
+                    seq0[rank] = _next_node_number()
+                anchors: list = []
+                held = anchor_stack()
+                held.append(anchors)
+                try:
+                    out = f(*args_local)
+                finally:
+                    held.pop()
+                return out, local_in, anchors
+            finally:
+                nest.pop()
 
         report = {"per_rank_backward": False}
         if per_rank:

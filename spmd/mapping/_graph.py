@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ..comm._torch_state import next_sequence_nr as _peek
+
 
 
 
@@ -36,6 +38,8 @@ def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int,
 def _next_node_number() -> int | None:
     """The creation number the next autograd node of this thread gets (per-thread and
     increasing: the nodes the body makes have this number or more)."""
+    if _peek is not None:
+        return _peek()
     node = (torch.zeros((), requires_grad=True) * 1).grad_fn
     number = getattr(node, "_sequence_nr", None)
     return None if number is None else number() + 1
