@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.threads import _tls as _comm_tls
 from ..core._local import RankLocal
 
 _local = RankLocal()
@@ -28,7 +29,7 @@ class collect_anchors:
 def anchor_stack() -> list[list]:
     """This thread's (or rank greenlet's) anchor lists, innermost last: shard_map
     pushes one per body; ``collect_anchors`` does the same around other code."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.get("stack")
     if stack is None:
         stack = _local.stack = []
     return stack
@@ -45,11 +46,18 @@ def anchor(x):
     """
     if x.requires_grad or not torch.is_grad_enabled() or not (x.is_floating_point() or x.is_complex()):
         return x
+    run = _comm_tls.get("green")
+    if run is not None and not run.per_rank_backward:
+        # On rank greenlets a collective is one node over every rank (mesh_vjp.py),
+        # made when any rank's input needs a gradient, whose backward runs every
+        # rank's: no rank needs a node of its own, and none is made when no rank's
+        # input needs a gradient.
+        return x
     try:
         a = x.detach().requires_grad_()
     except RuntimeError:  # inside a torch.func transform, which refuses requires_grad_
         return x
-    stack = getattr(_local, "stack", None)
+    stack = _local.get("stack")
     if stack:
         stack[-1].append(a)
     return a

@@ -383,7 +383,7 @@ def _forward_chain() -> _Chain:
     # A forward joins the chain of the forwards before it until a backward has used
     # that chain: a graph is traced forward first, then backward, so a new trace
     # never reaches an old trace's tokens.
-    c = getattr(_local, "chain", None)
+    c = _local.get("chain")
     if c is None or c.used:
         c = _local.chain = _Chain()
     return c

@@ -34,8 +34,10 @@ def mesh_call(rule: Any, run: Any, args: tuple, stash: Any) -> Any:
 
     The ranks meet by position: each rank's k-th such call joins the others' k-th, which
     may be another rule (a rank with an empty shard takes another path through an op
-    than its peers, with the same collectives). ``stash``: where custom_vjp's
-    ``needs_input_grad()`` reads from."""
+    than its peers, with the same collectives). A rank whose arguments need no gradient
+    meets the others too: if another rank's do, the node's outputs are its results as
+    well, so the cotangent of a replicated output reaches every rank's ``bwd``.
+    ``stash``: where custom_vjp's ``needs_input_grad()`` reads from."""
     with torch.no_grad():
         out, res = rule.fwd(*args)
     hooks = saved_tensor_hooks()
@@ -178,7 +180,7 @@ def _bwd(info: _Info, r: int, g: Any) -> tuple:
     if isinstance(res, _Packed):
         res = res.get()
     name = rule.fun.__name__
-    prev = getattr(_stash, "needs", None)
+    prev = _stash.get("needs")
     _stash.needs = needs
     try:
         with in_backward():

@@ -64,16 +64,25 @@ class custom_vjp:
         if self._fn is None:
             raise TypeError(f"custom_vjp function {self.fun.__name__!r} has no rule yet; "
                             f"call .defvjp(fwd, bwd) first")
+        if not torch.is_grad_enabled():
+            return self.fun(*args)
+        run = _comm_tls.get("green")
+        if run is not None and not run.per_rank_backward:
+            needs = _needs_grad(args)
+            if needs and _checkpointing():
+                # torch.utils.checkpoint recomputes in backward, on each rank: per-rank
+                # nodes from here on
+                per_rank_backward()
+            elif not torch._C._are_functorch_transforms_active():
+                # A rank greenlet of the simulated mesh: one node for every rank's call,
+                # made if any rank's arguments need a gradient. So a rank whose own need
+                # none (an empty shard, a constant) meets the others too, unless no
+                # argument is one that can (no floating or complex tensor).
+                if needs or self._could_need(args):
+                    return mesh_call(self, run, args, _stash)
+                return self.fun(*args)
         if not _needs_grad(args):
             return self.fun(*args)
-        run = getattr(_comm_tls, "green", None)
-        if run is not None and not run.per_rank_backward and _checkpointing():
-            # torch.utils.checkpoint recomputes in backward, on each rank: per-rank nodes
-            per_rank_backward()
-        if run is not None and not run.per_rank_backward and \
-                not torch._C._are_functorch_transforms_active():
-            # a rank greenlet of the simulated mesh: one node for every rank's call
-            return mesh_call(self, run, args, _stash)
         try:
             # The ctx-style Function skips the per-call signature binding that torch does
             # for setup_context-style ones (~10 us); torch refuses it under torch.func.
@@ -86,6 +95,15 @@ class custom_vjp:
         finally:
             _stash.res = None  # drop the residuals' reference once ctx holds them
 
+    def _could_need(self, args: tuple) -> bool:
+        """Whether some rank's call could need a gradient (a differentiable argument is
+        a floating or complex tensor)."""
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()) \
+                    and i not in self.nondiff_argnums:
+                return True
+        return False
+
     def __get__(self, obj, objtype=None):  # so it can decorate methods too
         return self if obj is None else functools.partial(self.__call__, obj)
 
@@ -97,7 +115,7 @@ def needs_input_grad() -> tuple[bool, ...]:
     arguments one level down, where a tensor the transform differentiates (a weight
     passed to ``torch.func.grad``) does not require grad.
     """
-    needs = getattr(_stash, "needs", None)
+    needs = _stash.get("needs")
     if needs is None:
         raise RuntimeError("needs_input_grad() is only defined inside a custom_vjp bwd")
     return needs
@@ -128,7 +146,7 @@ def _run_bwd(ctx, grads: tuple, name: str, bwd: Callable, nondiff: tuple[int, ..
     leaves = [next(saved) if t else v for v, t in zip(ctx.res_other, ctx.res_is_t)]
     res = optree.tree_unflatten(ctx.res_spec, leaves)
     g = grads if ctx.tuple_out else grads[0]
-    prev = getattr(_stash, "needs", None)
+    prev = _stash.get("needs")
     _stash.needs = tuple(ctx.needs_input_grad)
     try:
         with in_backward():  # communication accounting: what bwd sends is backward traffic

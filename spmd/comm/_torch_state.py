@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankState", "take", "put", "guards", "inside_guard", "saved_tensor_hooks",
+__all__ = ["RankState", "fresh", "take", "put", "guards", "inside_guard", "saved_tensor_hooks",
            "next_sequence_nr"]
 
 _C = torch._C
@@ -35,6 +35,7 @@ try:
     _Inference = _C._InferenceMode
     _excluded, _included = _C._dispatch_tls_local_exclude_set, _C._dispatch_tls_local_include_set
     _functorch = _C._are_functorch_transforms_active
+    _any_autocast = getattr(_C, "_is_any_autocast_enabled", lambda: True)
 except AttributeError as e:  # pragma: no cover - a torch this module was not written for
     raise ImportError(f"spmd's simulated mesh needs torch's mode-stack internals ({e}); "
                       f"use Mesh(..., ranks='threads') or a torch >= 2.5") from None
@@ -75,13 +76,20 @@ class RankState:
 _CLEAN = RankState()  # torch's defaults and the thread's own generator: nothing to move
 
 
+def fresh(grad: bool = True, seed: int | None = None) -> RankState:
+    """A new rank's state: torch's defaults (with grad mode ``grad``), its generator
+    seeded with ``seed`` (None: the thread's own)."""
+    return _CLEAN if grad and seed is None else RankState(grad, seed=seed)
+
+
 def take(per_rank_rng: bool) -> RankState:
     """Lift the calling thread's state (the running rank's) off it, leaving torch's
     defaults: grad mode on, no modes, no hooks, no autocast."""
     grad = torch.is_grad_enabled()
     inference = torch.is_inference_mode_enabled()
     nf, nd, top = _fn_len(), _d_len(), _h_top(True)
-    autocast = [dev for dev in _AUTOCAST if torch.is_autocast_enabled(dev)]
+    autocast = [dev for dev in _AUTOCAST if torch.is_autocast_enabled(dev)] \
+        if _any_autocast() else ()
     if grad and not (inference or nf or nd or autocast or per_rank_rng) and top is None:
         return _CLEAN  # the common case, checked in a few calls
     s = RankState(grad)

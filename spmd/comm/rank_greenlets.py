@@ -31,11 +31,11 @@ import torch
 from greenlet import getcurrent, greenlet
 
 from .. import random as _invariant
-from ..core._context import pop, push
+from ..core._context import rank_stack
 from ..core.errors import CommAborted, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from . import comm_of
-from ._torch_state import RankState, guards, inside_guard, put, take
+from ._torch_state import fresh, guards, inside_guard, put, take
 from .rank_threads import caller_seed, raise_first, rank_seed, take_turn
 from .threads import _axes, _tls
 
@@ -78,8 +78,8 @@ def run_ranks(mesh: Mesh, ranks: Sequence[int], fn: Callable[[int], Any]) -> lis
     that holds the mesh (``shard_map``'s). Results in the order of ``ranks``."""
     run = _Run(mesh, fn, comm_of(mesh), ranks, None)
     grad = torch.is_grad_enabled()  # off in a backward, unless it makes a graph
-    for st in run.states.values():
-        st.grad = grad
+    if not grad:
+        run.states = {r: fresh(False) for r in run.ranks}
     return run.run()
 
 
@@ -93,7 +93,7 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
         self.per_rank_rng = seed is not None
-        self.states = {r: RankState(seed=None if seed is None else rank_seed(seed, r))
+        self.states = {r: fresh(seed=None if seed is None else rank_seed(seed, r))
                        for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()
@@ -128,9 +128,10 @@ class _Run:
 
     def _body(self, rank: int) -> None:
         # (No ``_tls.run``: a greenlet run is never abandoned, so never stale.)
-        _tls.green = self
-        _tls.green_rank = rank
-        push(self.mesh, rank)
+        mine = _tls.values()
+        mine["green"], mine["green_rank"] = self, rank
+        ctx = rank_stack()
+        ctx.append((self.mesh, rank))
         try:
             if self.stream is None:
                 self.results[rank] = self.fn(rank)
@@ -141,8 +142,8 @@ class _Run:
             self.errors.append((time.monotonic(), rank, e))
             self.comm.abort(e, self.generation, rank)
         finally:
-            pop()
-            _tls.green = None  # an idle worker holds no run
+            ctx.pop()
+            mine["green"] = None  # an idle worker holds no run
 
     def meet(self, key: Any, item: Any, build: Callable[[dict[int, Any]], dict[int, Any]]
              ) -> Any:
@@ -150,7 +151,7 @@ class _Run:
         one, then ``build`` (run once, by the last to arrive) maps every rank's ``item``
         to its result; return this rank's. Ranks that never arrive (a call made on some
         ranks only) are left out once no rank can run: ``build`` then gets the others."""
-        rank = _tls.green_rank
+        rank = _tls.get("green_rank")
         n = self.counts.get((rank, key), 0)
         self.counts[(rank, key)] = n + 1
         pt = self.points.get((key, n))

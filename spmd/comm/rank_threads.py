@@ -218,7 +218,7 @@ class _Batch:
     def run(self, rank: int) -> None:
         if self.share < self.threads:
             torch.set_num_threads(self.share)  # per thread with OpenMP; restored below
-        prev = getattr(_tls, "run", None)
+        prev = _tls.get("run")
         _tls.run = (self.comm, self.generation)
         try:
             with RankContext(self.mesh, rank), _rank_random(self.seed, rank), \

@@ -115,7 +115,7 @@ def comm_stats() -> Iterator[CommStats]:
 def uncounted() -> Iterator[None]:
     """Collectives in the block are not counted: spmd's own agreement checks (like the
     envelopes a collective carries), not the program's communication."""
-    _local.quiet = getattr(_local, "quiet", 0) + 1
+    _local.quiet = _local.get("quiet", 0) + 1
     try:
         yield
     finally:
@@ -127,7 +127,7 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None,
     """Called by both comm backends at every collective (cheap when nothing is open):
     the rules for what a rank sends, in one place. Returns the token ``waited`` takes
     (None when nothing is open)."""
-    if not _open or getattr(_local, "quiet", 0):
+    if not _open or _local.get("quiet", 0):
         return None
     n, me = group.size, group.index
     payload = 0 if x is None else x.nbytes
@@ -151,7 +151,7 @@ def count(kind: str, name: str, group, *, x=None, chunks=None, pairs=None,
         peers = n - 1 if me == src else 0
     else:
         raise ValueError(f"unknown collective kind {kind!r}")
-    rec = (name, group.axes, group.rank, "backward" if getattr(_local, "backward", 0) else "forward",
+    rec = (name, group.axes, group.rank, "backward" if _local.get("backward", 0) else "forward",
            int(nbytes))
     det = (kind, n, peers if n > 1 else 0, int(payload))
     start, token = time.perf_counter(), []
@@ -177,7 +177,7 @@ class in_backward:
     """Marks collectives run inside a backward rule (custom_vjp's bwd) as backward."""
 
     def __enter__(self) -> None:
-        _local.backward = getattr(_local, "backward", 0) + 1
+        _local.backward = _local.get("backward", 0) + 1
 
     def __exit__(self, *exc) -> None:
         _local.backward -= 1

@@ -55,7 +55,7 @@ def per_rank_backward() -> None:
     outside ``spmd.custom_vjp`` rules (a converted model's checkpoint recomputes and
     tensor hooks): the shard_map's backward then runs each rank's on its own thread
     instead of one pass over all ranks."""
-    run = getattr(_tls, "green", None)
+    run = _tls.get("green")
     if run is None or run.per_rank_backward:
         return
     if run.nodes:
@@ -70,7 +70,7 @@ def per_rank_backward() -> None:
 def in_rank_greenlet() -> bool:
     """Whether the calling code runs as a rank greenlet of the simulated mesh, where
     ``spmd.custom_vjp`` rules are one autograd node over every rank."""
-    return getattr(_tls, "green", None) is not None
+    return _tls.get("green") is not None
 
 
 class ThreadComm:
@@ -104,9 +104,9 @@ class ThreadComm:
             return self.generation
 
     def _stale(self, name: str, group: Group) -> None:
-        if self.one_pass and getattr(_tls, "green", None) is None:
+        if self.one_pass and _tls.get("green") is None:
             raise one_pass_error(f"{name} on rank {group.rank}")
-        run = getattr(_tls, "run", None)
+        run = _tls.get("run")
         if run is not None and run[0] is self and run[1] != self.generation:
             raise CommAborted(f"{name} on rank {group.rank}: this rank belongs to a per-rank "
                               f"program on {self.mesh!r} that was abandoned (it ran past "
@@ -171,7 +171,7 @@ class ThreadComm:
         """Wait (bounded by the timeout) until every member arrived; the result."""
         slot_key, slot = arrival
         n = group.size
-        green = getattr(_tls, "green", None)
+        green = _tls.get("green")
         if green is not None:  # a rank greenlet: the others run while this one waits
             while not (slot.done or slot.error is not None or self._aborted is not None):
                 green.block(group.rank, group, slot, name)
@@ -221,7 +221,7 @@ class ThreadComm:
     def leave(self, rank: int, step: int, exc: BaseException) -> None:
         """Rank ``rank`` stops (a converted model's run left its plan at ``step``): the
         run's pending and later collectives raise ``CommAborted`` naming it."""
-        run = getattr(_tls, "run", None)
+        run = _tls.get("run")
         if run is not None and run[0] is self:
             self.abort(exc, run[1], rank)
 

@@ -32,19 +32,20 @@ class RankContext(NamedTuple):
         pop()
 
 
-def _stack() -> list:
-    s = getattr(_local, "stack", None)
+def rank_stack() -> list:
+    """The (mesh, rank) contexts this thread (or rank greenlet) runs in, innermost last."""
+    s = _local.get("stack")
     if s is None:
         s = _local.stack = []
     return s
 
 
 def push(mesh: Mesh, rank: int | None) -> None:
-    _stack().append((mesh, rank))
+    rank_stack().append((mesh, rank))
 
 
 def pop() -> None:
-    _stack().pop()
+    rank_stack().pop()
 
 
 def _torch_rank() -> int:
@@ -55,13 +56,13 @@ def _torch_rank() -> int:
 def converting() -> bool | str:
     """Whether this thread runs the forward of a model made by ``spmd.nn.convert``
     (``"plan"``: its plan, on meta tensors, inside a layer convert does not look into)."""
-    return getattr(_local, "converting", False)
+    return _local.get("converting", False)
 
 
 def set_converting(flag: bool | str) -> bool | str:
     """Set ``converting()`` (the layout interpreter does, around a converted forward);
     returns the previous value."""
-    prev = getattr(_local, "converting", False)
+    prev = _local.get("converting", False)
     _local.converting = flag
     return prev
 
@@ -80,7 +81,7 @@ def current(what: str = "this call") -> RankContext:
 
 
 def _current(what: str) -> RankContext:
-    flag = getattr(_local, "converting", False)
+    flag = _local.get("converting", False)
     if flag:
         # convert follows the torch calls of the forward; an spmd function inside it
         # moves data convert cannot see (a psum of a value convert already reduced).
@@ -91,9 +92,9 @@ def _current(what: str) -> RankContext:
             f"that calls them out with allow=(ThatLayer,)")
         err.plan_stop = flag == "plan"  # a plan reached a layer it does not look into
         raise err
-    s = _stack()
+    s = rank_stack()
     if not s:
-        if getattr(_local, "one_pass", False):
+        if _local.get("one_pass", False):
             raise one_pass_error(what)
         raise SpecError(
             f"{what} needs a mesh: call it inside spmd.shard_map, inside a function run by "
@@ -110,7 +111,7 @@ class one_pass:
     ``one_pass_error``."""
 
     def __enter__(self) -> None:
-        self._prev = getattr(_local, "one_pass", False)
+        self._prev = _local.get("one_pass", False)
         _local.one_pass = True
 
     def __exit__(self, *exc) -> None:
@@ -158,7 +159,7 @@ def refuse_sparse(x: torch.Tensor, what: str) -> None:
 
 
 def current_rank(mesh: Mesh) -> int:
-    for m, r in reversed(_stack()):
+    for m, r in reversed(rank_stack()):
         if m is mesh and r is not None:
             return r
     if mesh.backend == "torch":
@@ -170,7 +171,7 @@ def in_rank_of(mesh: Mesh) -> bool:
     """Whether the calling thread is a rank of ``mesh`` (per-rank code)."""
     if mesh.backend == "torch":
         return True
-    return any(m is mesh and r is not None for m, r in _stack())
+    return any(m is mesh and r is not None for m, r in rank_stack())
 
 
 # -- static layouts: size exchanges a shard_map body already made ----------------------
@@ -218,7 +219,7 @@ class LayoutTrace:
 def trace_stack() -> list:
     """The layout traces of the shard_map bodies this thread (or rank greenlet) runs,
     innermost last: shard_map pushes and pops its own."""
-    t = getattr(_local, "traces", None)
+    t = _local.get("traces")
     if t is None:
         t = _local.traces = []
     return t

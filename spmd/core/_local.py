@@ -20,8 +20,8 @@ class RankLocal:
     Example:
         >>> loc = RankLocal()
         >>> loc.depth = 1
-        >>> getattr(loc, "depth", 0), getattr(loc, "other", None)
-        (1, None)
+        >>> loc.get("depth", 0), loc.get("other"), getattr(loc, "other", None)
+        (1, None, None)
     """
 
     __slots__ = ("_var",)
@@ -29,12 +29,18 @@ class RankLocal:
     def __init__(self) -> None:
         object.__setattr__(self, "_var", contextvars.ContextVar(f"spmd_local_{id(self):x}"))
 
-    def _values(self) -> dict[str, Any]:
+    def values(self) -> dict[str, Any]:
+        """The running thread's or greenlet's attributes, as a dict to read and set."""
         d = self._var.get(None)
         if d is None:
             d = {}
             self._var.set(d)
         return d
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """``getattr(self, name, default)``, without the cost of a failed lookup."""
+        d = self._var.get(None)
+        return default if d is None else d.get(name, default)
 
     def __getattr__(self, name: str) -> Any:
         d = self._var.get(None)
@@ -46,10 +52,10 @@ class RankLocal:
         raise AttributeError(name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self._values()[name] = value
+        self.values()[name] = value
 
     def __delattr__(self, name: str) -> None:
         try:
-            del self._values()[name]
+            del self.values()[name]
         except KeyError:
             raise AttributeError(name) from None

@@ -30,7 +30,7 @@ _local = RankLocal()  # each rank thread runs its own body
 def nesting_stack() -> list[tuple[Mesh, tuple[str, ...]]]:
     """The (mesh, axes) of the shard_map bodies this thread (or rank greenlet) runs,
     innermost last: shard_map pushes and pops its own entry."""
-    st = getattr(_local, "stack", None)
+    st = _local.get("stack")
     if st is None:
         st = _local.stack = []
     return st

@@ -12,9 +12,12 @@ from ..comm._torch_state import next_sequence_nr as _peek
 
 
 
-def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int, torch.Tensor]) -> None:
-    """Leaves needing grad reached from ``roots``' graphs, excluding ``exclude`` ids."""
-    stack, seen = [], set()
+def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int, torch.Tensor],
+                  seq0: int | None = None) -> bool:
+    """Leaves needing grad reached from ``roots``' graphs, excluding ``exclude`` ids, go
+    into ``found``. Returns whether the walk reached a node numbered below ``seq0`` (see
+    ``_reaches_older_nodes``; False without ``seq0``)."""
+    stack, seen, older = [], set(), False
     for t in roots:
         if t.grad_fn is not None:
             stack.append(t.grad_fn)
@@ -30,9 +33,12 @@ def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int,
             if id(v) not in exclude:
                 found.setdefault(id(v), v)
             continue
+        if seq0 is not None and not older and fn._sequence_nr() < seq0:
+            older = True
         for nxt, _ in fn.next_functions:
             if nxt is not None:
                 stack.append(nxt)
+    return older
 
 
 def _next_node_number() -> int | None:

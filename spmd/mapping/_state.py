@@ -71,6 +71,8 @@ class _State:
         self.out_layouts: list[Layout | None] = []
         self.params: list[torch.Tensor] = []
         self.green = False  # the forward ran on rank greenlets: one backward pass
+        self.seq0: int | None = None
+        self.older: bool | None = None  # whether the graph reaches the caller's nodes
 
     @property
     def any_out_grad(self) -> bool:
@@ -142,8 +144,16 @@ class _State:
             mine = {id(t) for ins in self.local_ins for t in ins}
             mine |= {id(a) for anchors in self.anchors for a in anchors}  # not parameters
             found: dict[int, torch.Tensor] = {}
-            for outs in self.local_outs:
-                _graph_leaves([t for t in outs if isinstance(t, torch.Tensor)], mine, found)
+            if self.green:
+                # One walk over every rank's graph: custom_vjp calls are nodes over all
+                # ranks, so one rank's graph reaches the others'. The ranks number their
+                # nodes on one thread, so the walk also answers _reaches_older_nodes.
+                self.older = _graph_leaves([t for outs in self.local_outs for t in outs
+                                            if isinstance(t, torch.Tensor)], mine, found,
+                                           self.seq0)
+            else:
+                for outs in self.local_outs:
+                    _graph_leaves([t for t in outs if isinstance(t, torch.Tensor)], mine, found)
             self.params = list(found.values())
         self.shared = [False] * (len(self.diff) + len(self.params))
         if self.per_rank and self.mesh.backend == "threads":
@@ -166,8 +176,9 @@ class _State:
         mesh = self.mesh
         # Asked here, on the engine's thread, not on a rank thread. On a threads mesh
         # rank 0's graph answers for all: the ranks close over the same caller tensors.
-        keep = _keep_graph() or self.seq0 is None or _reaches_older_nodes(
-            [t for t in local_outs[0] + anchors[0] if isinstance(t, torch.Tensor)], self.seq0)
+        keep = _keep_graph() or self.seq0 is None or (self.older if self.older is not None else
+                                                        _reaches_older_nodes(
+            [t for t in local_outs[0] + anchors[0] if isinstance(t, torch.Tensor)], self.seq0))
 
         def rank_grads(pos: int, rank: int):
             outs, cots = self._roots(pos, rank, gouts, local_outs)

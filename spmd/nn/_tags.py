@@ -257,7 +257,7 @@ def _undecided(what: str, local: bool) -> bool:
     plan it is listed with its source line; at run time it raises (the same on every
     rank: whether a length is known does not depend on the rank)."""
     from ._shared import _Entry, _local
-    run = getattr(_local, "run", None)  # the converted forward running on this thread
+    run = _local.get("run")  # the converted forward running on this thread
     if run is None:
         return local
     problem = (f"{what}: a split dim's size whose global length is not known here (a "

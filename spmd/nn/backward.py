@@ -104,7 +104,7 @@ class _Pushed:
 
     def __init__(self, run: _Run, rng: bool = False):
         self.cfg, self.make = run.cfg, type(run)
-        stack = _context._stack()
+        stack = _context.rank_stack()
         self.rank = stack[-1] if stack else None
         self.path = run.paths[-1] if run.paths else run.cfg.name
         # A rank thread draws from its own generator state, which checkpoint's restore
@@ -125,7 +125,7 @@ class _Pushed:
         run.mode = _Probed(run)
         run.paths.append(self.path)
         run.base = None
-        stack = _context._stack()
+        stack = _context.rank_stack()
         pushed_rank = self.rank is not None and (not stack or stack[-1] != self.rank)
         if pushed_rank:  # autograd may run the node on a thread of its own
             _context.push(*self.rank)
@@ -207,7 +207,7 @@ def _rank_random() -> Any:
 
 
 def _pushed() -> list:
-    s = getattr(_local, "pushed", None)
+    s = _local.get("pushed")
     if s is None:
         s = _local.pushed = []
     return s

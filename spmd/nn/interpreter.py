@@ -63,14 +63,14 @@ _CREATION = {"zeros", "ones", "empty", "full", "rand", "randn", "randint", "aran
 
 
 def _state() -> list:
-    s = getattr(_local, "frames", None)
+    s = _local.get("frames")
     if s is None:
         s = _local.frames = []
     return s
 
 
 def _current() -> _Run | None:
-    return getattr(_local, "run", None)
+    return _local.get("run")
 
 
 @dataclass

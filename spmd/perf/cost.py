@@ -338,7 +338,7 @@ def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any,
         ((4, 4), ['all_reduce'])
     """
     check_mesh(mesh, WHO)
-    if any(m.backend == "threads" and r is not None for m, r in _context._stack()):
+    if any(m.backend == "threads" and r is not None for m, r in _context.rank_stack()):
         raise RuntimeError(
             f"{WHO}: called on a rank of a threads mesh (inside shard_map or spmd.launch); "
             f"estimate runs the body on threads meshes of its own: call it from ordinary code")

@@ -73,14 +73,14 @@ class Stream:
 
 def active() -> Stream | None:
     """The innermost ``invariant`` stream entered on this thread, or None."""
-    s = getattr(_local, "streams", None)
+    s = _local.get("streams")
     return s[-1] if s else None
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """spmd's own draws (a rank thread's seed) pass the invariant context by."""
-    prev = getattr(_local, "paused", False)
+    prev = _local.get("paused", False)
     _local.paused = True
     try:
         yield
@@ -125,7 +125,7 @@ class Invariant:
         stream = Stream(self.seed, self.draws)
         mode = _Mode(stream)
         mode.__enter__()
-        if getattr(_local, "streams", None) is None:
+        if _local.get("streams") is None:
             _local.streams = []
         _local.streams.append(stream)
         self._entered.append((stream, mode))  # per entry: each rank thread its own
@@ -173,7 +173,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name not in RANDOM or getattr(_local, "paused", False) or \
+        if name not in RANDOM or _local.get("paused", False) or \
                 _no_values(name, args, kwargs):
             return func(*args, **kwargs)
         if _context.converting() is True:
