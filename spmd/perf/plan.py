@@ -1,0 +1,621 @@
+"""``plan``: choose the decomposition. Every mesh shape for a rank count and every way of
+giving its axes to the example's splittable dims, each converted, run and priced with the
+cost model (``estimate``, ``predict``), ranked by predicted step time, memory or bytes.
+
+    plan = spmd.plan(model, x, ranks=8, network=spmd.perf.NETWORKS["ib_ndr"])
+    print(plan)                        # every candidate, refused ones with their reason
+    mesh, spec = plan.best.mesh(), plan.best.spec
+    sharded = spmd.nn.convert(model, mesh, spec)
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core._format import shape_str
+from ..core.errors import SpecError
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+from ..core.spec import P, entry_axes
+from . import _measure, model
+from .cost import Estimate, estimate
+from .network import Network
+
+__all__ = ["plan", "Plan", "Candidate"]
+
+WHO = "plan"
+OBJECTIVES = ("time", "memory", "bytes")
+OK, OVER, REFUSED = "ok", "over budget", "refused"
+
+
+@dataclass(repr=False)
+class Candidate:
+    """One decomposition ``spmd.plan`` considered: a mesh shape, its axis names and the
+    input's spec, with what it costs per rank (or why it was discarded).
+
+    Attributes:
+        mesh_shape, axis_names, spec: what ``Mesh`` and ``convert``/``shard_map`` take.
+        status: ``"ok"``, ``"over budget"`` (memory above ``memory_per_rank``) or
+            ``"refused"`` (empty shards, or a ``SpecError`` from convert or shard_map).
+        reason: why it was discarded (``""`` when it was not).
+        local_shape: the input's shard on the largest rank.
+        measured_mesh: True where every figure below comes from a run on a threads mesh
+            of this very shape; False where they were predicted from smaller meshes
+            (``Estimate.predict``).
+        bytes_per_rank: ``{rank: bytes sent per step}`` (forward + backward, as
+            ``spmd.comm_stats`` records them; the gradient all-reduce apart), on a
+            measured mesh; None when predicted.
+        comm_bytes: the largest of those (predicted: the busiest rank's).
+        memory_per_rank: ``{rank: bytes}`` on a measured mesh (None when predicted):
+            the input shard + what autograd saves for backward + the outputs + the
+            trainable parameters and as much again for their gradients.
+        memory_bytes: the largest of those (predicted: the busiest rank's).
+        saved_bytes, output_bytes, input_bytes, param_bytes: the parts of memory_bytes
+            (the largest over ranks of each; param_bytes counted twice in memory_bytes).
+        prediction: the step on ``network`` (``Prediction``: step, compute, exposed
+            communication, gradient sync, efficiency).
+        compute: ``"timed"`` (the largest shard's compute timed on a 1-rank mesh) or
+            ``"scaled"`` (the model refuses the shard as a whole input, a positional table
+            or FNO modes sized for the global input: the whole problem's compute times
+            the shard's share of the volume).
+        measured, modelled: what was measured and what was scaled or modelled.
+        estimate: the ``Estimate`` behind it (None if refused before one was made).
+
+    Example:
+        >>> c = Candidate((2, 2), ("d2", "d3"), P(None, None, "d2", "d3"))
+        >>> c.status, c.ranks
+        ('ok', 4)
+    """
+
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    spec: P
+    status: str = OK
+    reason: str = ""
+    local_shape: tuple[int, ...] = ()
+    measured_mesh: bool = True
+    bytes_per_rank: dict[int, int] | None = None
+    comm_bytes: int = 0
+    memory_per_rank: dict[int, int] | None = None
+    memory_bytes: int = 0
+    saved_bytes: int = 0
+    output_bytes: int = 0
+    input_bytes: int = 0
+    param_bytes: int = 0
+    prediction: model.Prediction | None = None
+    measured: tuple[str, ...] = ()
+    modelled: tuple[str, ...] = ()
+    compute: str = ""
+    estimate: Estimate | None = field(default=None, compare=False)
+
+    @property
+    def ranks(self) -> int:
+        """The number of ranks: the product of ``mesh_shape``."""
+        return math.prod(self.mesh_shape)
+
+    @property
+    def step_s(self) -> float:
+        """Predicted seconds per step on the plan's network (nan if discarded early)."""
+        return self.prediction.step_s if self.prediction is not None else math.nan
+
+    @property
+    def efficiency(self) -> float:
+        """Predicted strong-scaling efficiency (nan if discarded early)."""
+        return self.prediction.efficiency if self.prediction is not None else math.nan
+
+    def mesh(self, backend: str | None = None, **kwargs: Any) -> Mesh:
+        """``Mesh(mesh_shape, axis_names, backend, **kwargs)``: the mesh to run it on.
+
+        Example:
+            >>> Candidate((2, 4), ("d2", "d3"), P(None, None, "d2", "d3")).mesh("threads")
+            Mesh(d2=2, d3=4, backend='threads')
+        """
+        return Mesh(self.mesh_shape, self.axis_names, backend, **kwargs)
+
+    def __repr__(self) -> str:
+        mesh = "x".join(map(str, self.mesh_shape))
+        if self.status == REFUSED:
+            return f"Candidate({mesh} {self.spec}: refused: {self.reason})"
+        return (f"Candidate({mesh} {self.spec}: step {_ms(self.step_s)}, "
+                f"{self.comm_bytes:,} B sent and {self.memory_bytes:,} B memory per rank"
+                f"{', over budget' if self.status == OVER else ''})")
+
+
+@dataclass(repr=False)
+class Plan:
+    """What ``spmd.plan`` found: every candidate, the usable ones ranked.
+
+    Attributes:
+        candidates: all of them: the ranked ones first, then those over budget (by
+            memory), then the refused ones.
+        ranked: the usable ones, best first by ``objective`` (ties: step time, then
+            memory, then bytes).
+        best: ``ranked[0]``.
+        objective, ranks, network, memory_per_rank: what it was asked.
+        global_shape: the example's shape.
+        timed_shapes: the local shapes whose compute was timed (each once).
+        seconds: how long planning took here.
+
+    Example:
+        >>> net = torch.nn.Conv2d(1, 1, 3, padding=1)
+        >>> p = spmd.plan(net, torch.randn(1, 1, 16, 16), ranks=4, objective="bytes",
+        ...               network=spmd.perf.NETWORKS["ib_ndr"], repeats=1, warmup=0)
+        >>> p.best.spec, p.best.mesh_shape    # a 2x2 split sends the fewest halo bytes
+        (P(None, None, 'd2', 'd3'), (2, 2))
+    """
+
+    candidates: list[Candidate]
+    objective: str
+    ranks: int
+    network: Network
+    memory_per_rank: int | None
+    global_shape: tuple[int, ...]
+    timed_shapes: tuple[tuple[int, ...], ...]
+    seconds: float
+
+    @property
+    def ranked(self) -> list[Candidate]:
+        """The candidates that are neither refused nor over budget, best first."""
+        return [c for c in self.candidates if c.status == OK]
+
+    @property
+    def best(self) -> Candidate:
+        """The best candidate by the objective."""
+        return self.ranked[0]
+
+    def table(self) -> str:
+        """Every candidate, one row each, and what was measured and what modelled."""
+        head = (f"plan for {self.ranks} ranks, input {shape_str(self.global_shape)}, on "
+                f"{self.network.name}, by {self.objective}"
+                + (f", memory per rank <= {self.memory_per_rank:,} B"
+                   if self.memory_per_rank is not None else ""))
+        cols = f"  {'#':>2} {'mesh':<7} {'spec':<30} {'local':<18} {'sent B/rank':>12} " \
+               f"{'memory B/rank':>14} {'step ms':>9} {'comm ms':>8} {'eff %':>6} compute  status"
+        lines = [head, cols]
+        n = 0
+        for c in self.candidates:
+            mesh = "x".join(map(str, c.mesh_shape))
+            local = shape_str(c.local_shape) if c.local_shape else "-"
+            if c.status == REFUSED:
+                lines.append(f"  {'-':>2} {mesh:<7} {str(c.spec):<30} {local:<18} "
+                             f"{'-':>12} {'-':>14} {'-':>9} {'-':>8} {'-':>6} {'-':<8} refused: {c.reason}")
+                continue
+            n += c.status == OK
+            p = c.prediction
+            tag = ("measured" if c.measured_mesh else "predicted") + (
+                "" if c.status == OK else f"; over budget: {c.reason}")
+            lines.append(f"  {n if c.status == OK else '-':>2} {mesh:<7} {str(c.spec):<30} "
+                         f"{local:<18} {c.comm_bytes:>12,} {c.memory_bytes:>14,} "
+                         f"{p.step_s * 1e3:>9.3g} {p.comm_s * 1e3:>8.3g} "
+                         f"{100 * p.efficiency:>6.1f} {c.compute:<8} {tag}")
+        lines.append("memory = input shard + saved for backward + outputs + 2 x trainable "
+                     "parameters (weights and gradients); sent = forward + backward "
+                     "collectives (comm_stats), gradient all-reduce apart")
+        shown = next((c for c in self.candidates if c.status != REFUSED), None)
+        if shown is not None:
+            lines.append("measured: " + "; ".join(shown.measured[:-1]))
+            lines.append("modelled: " + "; ".join(shown.modelled))
+        lines.append("compute: timed = the largest shard's, on a 1-rank mesh; scaled = the "
+                     "whole problem's x the shard's share (the model refuses the shard as a "
+                     "whole input); each candidate's measured[-1] says which")
+        lines.append(f"compute timed at {len(self.timed_shapes)} local shape(s), each once; "
+                     f"planned in {self.seconds:.3g} s")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        best = self.ranked[0] if self.ranked else None
+        return (f"Plan({len(self.candidates)} candidates for {self.ranks} ranks, "
+                f"{len(self.ranked)} usable, best {best!r})")
+
+    def plot(self, ax: Any = None) -> Any:
+        """A scatter of predicted step time against memory per rank (matplotlib, the
+        ``test`` extra), each usable or over-budget candidate labelled with its mesh and
+        spec, the budget as a line. Returns the Axes.
+
+        Example:
+            >>> net = torch.nn.Conv2d(1, 1, 3, padding=1)
+            >>> p = spmd.plan(net, torch.randn(1, 1, 16, 16), ranks=4, repeats=1, warmup=0,
+            ...               network=spmd.perf.NETWORKS["ib_ndr"])
+            >>> import matplotlib; matplotlib.use("Agg")
+            >>> ax = p.plot()
+            >>> ax.get_xlabel()
+            'memory per rank (MiB)'
+        """
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as e:  # pragma: no cover - the test extra has it
+            raise ImportError("Plan.plot needs matplotlib (pip install spmd[test])") from e
+        if ax is None:
+            _, ax = plt.subplots(figsize=(6, 4))
+        for status, marker in ((OK, "o"), (OVER, "x")):
+            cs = [c for c in self.candidates if c.status == status]
+            if not cs:
+                continue
+            xs = [c.memory_bytes / 2 ** 20 for c in cs]
+            ys = [c.step_s * 1e3 for c in cs]
+            ax.scatter(xs, ys, marker=marker, label=status)
+            for c, x, y in zip(cs, xs, ys):
+                ax.annotate(f"{'x'.join(map(str, c.mesh_shape))} {c.spec}", (x, y),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if self.memory_per_rank is not None:
+            ax.axvline(self.memory_per_rank / 2 ** 20, color="grey", linestyle="--",
+                       label="memory_per_rank")
+        ax.set_xlabel("memory per rank (MiB)")
+        ax.set_ylabel(f"predicted step (ms) on {self.network.name}")
+        ax.set_title(f"{self.ranks} ranks, input {shape_str(self.global_shape)}")
+        ax.legend(fontsize=8)
+        return ax
+
+
+def _ms(s: float) -> str:
+    return "-" if math.isnan(s) else f"{s * 1e3:.3g} ms"
+
+
+# -- candidates ---------------------------------------------------------------------------
+
+def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """The ordered ways of writing ``n`` as a product of ``k`` factors >= 2 (``(n,)`` for
+    ``k = 1``).
+
+    Example:
+        >>> factorizations(8, 2), factorizations(8, 3), factorizations(7, 2)
+        ([(2, 4), (4, 2)], [(2, 2, 2)], [])
+    """
+    if k == 1:
+        return [(n,)] if n >= 2 else []
+    return [(f, *rest) for f in range(2, n + 1) if n % f == 0
+            for rest in factorizations(n // f, k - 1)]
+
+
+def _enumerate(shape: tuple[int, ...], ranks: int, dims: Sequence[int],
+               max_axes: int) -> list[tuple[tuple[int, ...], tuple[str, ...], P]]:
+    """Each set of up to ``max_axes`` dims, each ordered factorization of ``ranks`` over
+    them: one mesh axis per split dim, named after it (``"d2"``)."""
+    out = []
+    for k in range(1, max_axes + 1):
+        for ds in itertools.combinations(sorted(dims), k):
+            for sizes in factorizations(ranks, k):
+                names = tuple(f"d{d}" for d in ds)
+                entries: list[Any] = [None] * (max(ds) + 1)
+                for d, a in zip(ds, names):
+                    entries[d] = a
+                out.append((sizes, names, P(*entries)))
+    return out
+
+
+def _given(specs: Sequence[Any], ranks: int) -> list[tuple[tuple[int, ...], tuple[str, ...], P]]:
+    """Candidates from the user's specs: a ``P`` (every ordered factorization of ``ranks``
+    over its axes) or a ``(P, mesh_shape)`` pair."""
+    out = []
+    for s in specs:
+        shape = None
+        if isinstance(s, tuple) and not isinstance(s, P) and len(s) == 2 and isinstance(s[0], P):
+            s, shape = s
+        if not isinstance(s, P) or not s.axes:
+            raise TypeError(f"{WHO}: specs must be P(...) naming at least one mesh axis, or "
+                            f"(P(...), mesh_shape) pairs; got {s!r}")
+        names = tuple(dict.fromkeys(s.axes))
+        if shape is not None:
+            shape = tuple(shape)
+            if len(shape) != len(names) or math.prod(shape) != ranks:
+                raise ValueError(f"{WHO}: mesh shape {shape} for {s} must give one size per "
+                                 f"axis {names} with product {ranks}")
+            out.append((shape, names, s))
+        else:
+            out += [(sizes, names, s) for sizes in factorizations(ranks, len(names))]
+    return out
+
+
+def _empty(shape: tuple[int, ...], sizes: tuple[int, ...], names: tuple[str, ...],
+           spec: P) -> str | None:
+    size = dict(zip(names, sizes))
+    for d, n in enumerate(shape):
+        k = math.prod(size[a] for a in entry_axes(spec.entry(d))) if d < len(spec) else 1
+        if n < k:
+            return f"empty shards: dim {d} of size {n} over {k} ranks"
+    return None
+
+
+# -- pricing --------------------------------------------------------------------------------
+
+def _measured_step(est: Estimate, network: Network, grad_sync: str,
+                   compute_scale: float) -> model.Prediction:
+    """The step on ``network`` from the collectives run on this very mesh (every rank's,
+    the one that stalls longest), compute timed at the largest shard: ``predict``'s
+    model without its re-measurement on a smaller mesh."""
+    f, b = est.forward_s / compute_scale, est.backward_s / compute_scale
+    events = {e.key: e for e in est._events(list(est.local_shapes)) or ()}
+    best = (-1.0, 0.0, 0)
+    for cs in est.comm.values():
+        keys = [(c.name, c.kind, c.pass_) for c in cs]
+        evs = [events.get((*k, o)) for k, o in zip(keys, _measure.ordinals(keys))]
+        times = [c.time(network) for c in cs]
+        t = model.exposed(times, evs, f, b)
+        nbytes = sum(c.nbytes for c in cs)
+        if (t, nbytes) > (best[0], best[2]):
+            best = (t, sum(times) - t, nbytes)
+    comm_s, hidden_s, nbytes = best
+    n = math.prod(est.mesh_shape)
+    gs, gbytes, _ = model._grad_sync(est, n, network, grad_sync, b)
+    sf, sb = est._time(list(est.global_shapes))
+    serial = (sf + sb) / compute_scale
+    step_s = f + b + comm_s + gs
+    eff = serial / (n * step_s) if step_s > 0 else 1.0
+    return model.Prediction(n, est.mesh_shape, "strong", network.name, est.global_shapes,
+                            est.local_shapes, f, b, comm_s, gs, step_s, serial, eff, nbytes,
+                            gbytes, est.peak_activation_bytes, (), hidden_s)
+
+
+def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network,
+           measure_ranks: int, timings: dict, kw: dict, predict_kw: dict) -> None:
+    """Fill in ``c``'s costs (or mark it refused)."""
+    lay = Layout(tuple(x.shape), c.spec, _measure._Shape(c.mesh_shape, c.axis_names))
+    n = c.ranks
+    inputs = {r: math.prod(lay.local_shape(r)) * x.element_size() for r in range(n)}
+    largest = max(inputs, key=lambda r: (inputs[r], -r))
+    c.local_shape = tuple(lay.local_shape(largest))
+    try:
+        how = _time_shard(timings, mdl, x, c, kw)
+        if n <= measure_ranks:
+            mesh = Mesh(c.mesh_shape, c.axis_names, backend="threads")
+            est = estimate(mdl, mesh, c.spec, x, timings=timings, **kw)
+            pred = _measured_step(est, network, **predict_kw)
+        else:
+            mesh = Mesh((1,) * len(c.mesh_shape), c.axis_names, backend="threads")
+            est = estimate(mdl, mesh, c.spec, x, timings=timings, **kw)
+    except SpecError as e:
+        c.status, c.reason = REFUSED, _first_line(e)
+        return
+    if n > measure_ranks:
+        small = "x".join(str(min(t, 3)) for t in c.mesh_shape)
+        try:
+            pred = est.predict(mesh_shape=c.mesh_shape, network=network, **predict_kw)
+        except (SpecError, ValueError) as e:
+            c.status = REFUSED
+            c.reason = (f"on the {small} threads mesh that predict runs at the local shape: "
+                        f"{_first_line(e)}")
+            return
+    c.estimate, c.prediction = est, pred
+    c.param_bytes = sum(est.grad_bytes.values())
+    c.input_bytes = inputs[largest]
+    what = f"compute: {how}"
+    c.compute = "scaled" if "whole problem" in how else "timed"
+    if n <= measure_ranks:
+        c.measured_mesh = True
+        c.bytes_per_rank = {r: f + b for r, (f, b) in est.bytes_per_rank.items()}
+        c.comm_bytes = max(c.bytes_per_rank.values(), default=0)
+        c.memory_per_rank = {r: inputs[r] + est.saved_bytes.get(r, 0)
+                             + est.output_bytes.get(r, 0) + 2 * c.param_bytes for r in range(n)}
+        c.memory_bytes = max(c.memory_per_rank.values())
+        c.saved_bytes = max(est.saved_bytes.values(), default=0)
+        c.output_bytes = max(est.output_bytes.values(), default=0)
+        c.measured = ("bytes per rank: comm_stats of a step on a threads mesh of this shape",
+                      "saved and output bytes: saved_tensors_hooks per rank on that mesh", what)
+        c.modelled = (f"collective times: {network.name}'s latency and bandwidth, overlap as "
+                      f"on the 1-rank run",
+                      f"gradient all-reduce over {n} ranks (threads share the weights)")
+    else:
+        c.measured_mesh = False
+        small = tuple(min(t, 3) for t in c.mesh_shape)
+        grown = model._grow(est._setup, list(pred.local_shapes), small, c.axis_names)
+        run = est._cache.get(("run", small, tuple(grown)))  # None where predict scaled
+        c.comm_bytes = pred.comm_bytes
+        c.saved_bytes = max(run.saved.values(), default=0) if run else pred.memory_bytes
+        c.output_bytes = max(run.outputs.values(), default=0) if run else 0
+        c.memory_bytes = c.input_bytes + pred.memory_bytes + 2 * c.param_bytes
+        mesh = "x".join(map(str, small))
+        c.measured = (f"bytes and memory: comm_stats and saved_tensors_hooks of the busiest "
+                      f"rank of a {mesh} threads mesh whose shards have the target's local "
+                      f"shape (Estimate.predict)", what)
+        c.modelled = (f"bytes per rank on {'x'.join(map(str, c.mesh_shape))}: the interior "
+                      f"rank's of the {mesh} mesh", *pred.notes[1:])
+
+
+def _first_line(e: Exception) -> str:
+    """The gist of a refusal: its first line, and its first item where that line only
+    announces a list."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    s = lines[0]
+    if s.endswith(":") and len(lines) > 1:
+        s = f"{s.split(':')[0 if not s.startswith('rank') else 1].strip()}: {lines[1].lstrip('- ')}"
+    return s if len(s) <= 200 else s[:197] + "..."
+
+
+def _time_shard(timings: dict, mdl: torch.nn.Module, x: torch.Tensor, c: Candidate,
+                kw: dict) -> str:
+    """Time the compute of ``c``'s largest shard once into ``timings`` (as estimate
+    would, on a mesh of one rank with the shard as the whole input); where the model
+    refuses the shard as a whole input (a positional table, FNO modes: sizes that must
+    be the global ones), the whole problem's compute scaled by volume. Says which."""
+    key = ("compute", (c.local_shape,))
+    if key in timings:
+        how = timings[key][3] if len(timings[key]) > 3 else \
+            f"timed on a 1-rank mesh at {shape_str(c.local_shape)}"
+        return f"{how} (once, shared with other candidates)"
+    names = c.axis_names
+    setup = _measure.Setup(mdl, c.spec, c.spec, (x,), None, False, None, True, kw["seed"])
+    try:
+        f, b, ev = _measure.time_compute(setup, names, setup.args_of([c.local_shape]), None,
+                                         kw["repeats"], kw["warmup"])
+        timings[key] = (f, b, ev, f"timed on a 1-rank mesh at {shape_str(c.local_shape)}")
+    except (SpecError, RuntimeError) as e:  # torch's own size checks raise RuntimeError
+        whole = ("compute", (tuple(x.shape),))
+        if whole not in timings:
+            f, b, ev = _measure.time_compute(setup, names, setup.args_of([tuple(x.shape)]),
+                                             None, kw["repeats"], kw["warmup"])
+            timings[whole] = (f, b, ev, f"timed on a 1-rank mesh at {shape_str(x.shape)}")
+        k = math.prod(c.local_shape) / math.prod(x.shape)
+        f, b = timings[whole][0] * k, timings[whole][1] * k
+        timings[key] = (f, b, None, (
+            f"the whole problem's, timed on one rank, x {k:.4g} (the shard's share: work "
+            f"assumed linear in volume; the model refuses the shard {shape_str(c.local_shape)} "
+            f"as a whole input: {_first_line(e)})"))
+    return timings[key][3]
+
+
+def _rank_key(objective: str):
+    def key(c: Candidate) -> tuple:
+        order = {"time": (c.step_s, c.memory_bytes, c.comm_bytes),
+                 "memory": (c.memory_bytes, c.step_s, c.comm_bytes),
+                 "bytes": (c.comm_bytes, c.step_s, c.memory_bytes)}[objective]
+        return (*order, c.mesh_shape, str(c.spec))
+    return key
+
+
+def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: Network,
+         memory_per_rank: int | None = None, dims: Sequence[int] | None = None,
+         specs: Sequence[Any] | None = None, max_axes: int = 2, objective: str = "time",
+         measure_ranks: int = 8, grad_sync: str = "end", compute_scale: float = 1.0,
+         repeats: int = 3, warmup: int = 1, seed: int = 0) -> Plan:
+    """Choose a decomposition of ``example`` for ``model_`` on ``ranks`` ranks: every mesh
+    shape and assignment of its axes to the splittable dims, each converted, run on a
+    threads mesh and priced; the usable ones ranked by ``objective``.
+
+    Candidates: for every set of up to ``max_axes`` of the splittable dims, every ordered
+    factorization of ``ranks`` into that many sizes >= 2, one mesh axis per split dim
+    named after it (``"d2"`` splits dim 2): for 8 ranks over dims 2 and 3,
+    ``P(None, None, "d2")`` on (8,), ``P(None, None, None, "d3")`` on (8,), and
+    ``P(None, None, "d2", "d3")`` on (2, 4) and (4, 2). The splittable dims are ``dims``,
+    by default every dim from 2 on whose size is above 1 (the layout ``(N, C, spatial...)``:
+    batch and channels are not a sample's domain; pass ``dims=(1,)`` for a sequence
+    ``(N, S, E)``), or the axes of ``specs``. Discarded, kept in the table with the reason:
+    a split leaving some rank an empty shard, a ``SpecError`` from convert or shard_map
+    ("refused"), memory above ``memory_per_rank`` ("over budget").
+
+    Each candidate is priced with ``spmd.perf.estimate``. Up to ``measure_ranks`` ranks,
+    on a threads mesh of its very shape: the bytes each rank sends (comm_stats) and keeps
+    (saved_tensors_hooks) are measured, and the step time is the cost model on those
+    collectives (``Estimate.predict``'s model: latency and bandwidth of ``network``,
+    overlap as on a 1-rank run, the gradient all-reduce modelled: threads share the
+    weights). Above it (64 ranks), measured on a 1-rank mesh and predicted
+    (``Estimate.predict``: its collectives re-run on a mesh of ``min(size, 3)`` ranks per
+    axis at the target's local shape). Compute is timed once per distinct local shape,
+    shared by every candidate with that shard.
+
+    Memory per rank = the input shard + what autograd saves for backward + the outputs +
+    the trainable parameters twice (weights and gradients); no optimizer state.
+
+    Args:
+        model_: a plain ``nn.Module`` (convert is applied per candidate).
+        example: the global input (one tensor; ``requires_grad`` is not needed).
+        ranks: how many ranks (>= 2).
+        network: a ``Network`` (``spmd.perf.NETWORKS[...]``, ``fit_network()``).
+        memory_per_rank: bytes a rank may hold (None: no limit).
+        dims: the dims that may be split (default: see above).
+        specs: candidate specs instead of ``dims``: each a ``P`` (every factorization of
+            ``ranks`` over its axes) or a ``(P, mesh_shape)`` pair.
+        max_axes: at most this many mesh axes (1, 2 or 3).
+        objective: ``"time"`` (predicted step), ``"memory"`` or ``"bytes"`` (sent per rank).
+        measure_ranks: candidates of up to this many ranks are run at their own shape.
+        grad_sync, compute_scale: as for ``Estimate.predict``.
+        repeats, warmup, seed: as for ``estimate``.
+
+    Returns:
+        A ``Plan``: ``print(plan)``, ``plan.best.spec``, ``plan.best.mesh()``,
+        ``plan.plot()``.
+
+    Raises:
+        ValueError: bad ``ranks``, ``objective``, ``dims`` or ``max_axes``; no splittable
+            dim; every usable candidate over ``memory_per_rank`` (naming the one with the
+            least memory).
+        SpecError: every candidate refused (naming each reason).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.ReLU())
+        >>> p = spmd.plan(net, torch.randn(1, 1, 16, 8), ranks=4, objective="memory",
+        ...               network=spmd.perf.NETWORKS["ib_ndr"], repeats=1, warmup=0)
+        >>> [(c.mesh_shape, c.spec) for c in p.candidates][:1]
+        [((2, 2), P(None, None, 'd2', 'd3'))]
+        >>> mesh = p.best.mesh()   # threads by default here: Mesh(d2=2, d3=2)
+        >>> sharded = spmd.nn.convert(net, mesh, p.best.spec)
+    """
+    import time
+    t0 = time.perf_counter()
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"{WHO}: ranks must be an int >= 2 (one rank has nothing to split), "
+                         f"got {ranks!r}")
+    if not isinstance(model_, torch.nn.Module):
+        raise TypeError(f"{WHO}: model must be an nn.Module, got {type(model_).__name__}")
+    if not isinstance(example, torch.Tensor):
+        raise TypeError(f"{WHO}: example must be the global input tensor, got "
+                        f"{type(example).__name__}")
+    if not isinstance(network, Network):
+        raise TypeError(f"{WHO}: network must be a spmd.perf.Network (e.g. "
+                        f"spmd.perf.NETWORKS['ib_ndr']), got {type(network).__name__}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"{WHO}: objective must be one of {OBJECTIVES}, got {objective!r}")
+    if max_axes not in (1, 2, 3):
+        raise ValueError(f"{WHO}: max_axes must be 1, 2 or 3, got {max_axes!r}")
+    if memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(
+            memory_per_rank, int) or memory_per_rank < 1):
+        raise ValueError(f"{WHO}: memory_per_rank must be a positive int (bytes), got "
+                         f"{memory_per_rank!r}")
+    shape = tuple(example.shape)
+    if specs is not None:
+        if dims is not None:
+            raise ValueError(f"{WHO}: give dims or specs, not both")
+        found = _given(specs, ranks)
+    else:
+        if dims is None:
+            dims = [d for d in range(2, len(shape)) if shape[d] > 1]
+            rule = "dims from 2 on (N, C, spatial...) of size > 1"
+        else:
+            dims = sorted({int(d) % len(shape) if -len(shape) <= int(d) < len(shape) else
+                           _bad_dim(d, shape) for d in dims})
+            rule = f"dims={tuple(dims)}"
+        if not dims:
+            raise ValueError(f"{WHO}: no dim of the example {shape_str(shape)} can be split "
+                             f"({rule}); pass dims=(...) naming the domain's dims, e.g. "
+                             f"dims=(1,) for a sequence (N, S, E)")
+        found = _enumerate(shape, ranks, dims, min(max_axes, len(dims)))
+        if not found:
+            raise ValueError(f"{WHO}: {ranks} ranks do not factor over {rule} with at most "
+                             f"{max_axes} axes")
+    kw = dict(repeats=repeats, warmup=warmup, seed=seed)
+    predict_kw = dict(grad_sync=grad_sync, compute_scale=compute_scale)
+    timings: dict = {}
+    candidates = []
+    for sizes, names, spec in found:
+        c = Candidate(sizes, names, spec)
+        why = _empty(shape, sizes, names, spec)
+        if why is not None:
+            c.status, c.reason = REFUSED, why
+        else:
+            _price(c, model_, example, network, measure_ranks, timings, kw, predict_kw)
+        candidates.append(c)
+        if (c.status == OK and memory_per_rank is not None
+                and c.memory_bytes > memory_per_rank):
+            c.status = OVER
+            c.reason = f"{c.memory_bytes:,} B > {memory_per_rank:,} B"
+    usable = [c for c in candidates if c.status == OK]
+    over = sorted((c for c in candidates if c.status == OVER), key=_rank_key("memory"))
+    refused = [c for c in candidates if c.status == REFUSED]
+    if not usable and over:
+        low = over[0]
+        raise ValueError(
+            f"{WHO}: every candidate needs more than memory_per_rank={memory_per_rank:,} B; "
+            f"the least is {low.memory_bytes:,} B per rank for "
+            f"{'x'.join(map(str, low.mesh_shape))} {low.spec}: raise the budget or the ranks")
+    if not usable:
+        reasons = "\n".join(f"  - {'x'.join(map(str, c.mesh_shape))} {c.spec}: {c.reason}"
+                            for c in refused)
+        raise SpecError(f"{WHO}: no decomposition of {shape_str(shape)} over {ranks} ranks "
+                        f"works for this model:\n{reasons}")
+    usable.sort(key=_rank_key(objective))
+    shapes = tuple(k[1][0] for k in timings if k[0] == "compute")
+    return Plan(usable + over + refused, objective, ranks, network, memory_per_rank, shape,
+                shapes, time.perf_counter() - t0)
+
+
+def _bad_dim(d: Any, shape: tuple[int, ...]) -> int:
+    raise ValueError(f"{WHO}: dims must be dims of the example {shape_str(shape)}, got {d!r}")
