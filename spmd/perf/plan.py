@@ -574,7 +574,7 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
                            _bad_dim(d, shape) for d in dims})
             rule = f"dims={tuple(dims)}"
         if not dims:
-            raise ValueError(f"{WHO}: no dim of the example {shape_str(shape)} can be split "
+            raise ValueError(f"{WHO}: no dim of the example {shape_str(shape, example.dtype)} can be split "
                              f"({rule}); pass dims=(...) naming the domain's dims, e.g. "
                              f"dims=(1,) for a sequence (N, S, E)")
         found = _enumerate(shape, ranks, dims, min(max_axes, len(dims)))
