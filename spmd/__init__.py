@@ -37,7 +37,7 @@ The layers, each importing only the ones listed before it:
     run/          launch: one function on every rank, as threads or gloo processes
     testing/      prove your own ops: assert_matches_single_device, check_adjoint, on_mesh
     perf/         estimate: a step's collectives, memory and compute per rank, predicted
-                  to thousands of ranks with a network model
+                  to thousands of ranks with a network model; plan: which decomposition
     viz/, demo/   visualize a layout; the heat-diffusion demo (python -m spmd demo)
 
 Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and

@@ -9,7 +9,6 @@ follows them.
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
