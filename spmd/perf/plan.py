@@ -274,10 +274,13 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
     (saved_tensors_hooks) are measured, and the step time is the cost model on those
     collectives (``Estimate.predict``'s model: latency and bandwidth of ``network``,
     overlap as on a 1-rank run, the gradient all-reduce modelled: threads share the
-    weights). Above it (64 ranks), measured on a 1-rank mesh and predicted
-    (``Estimate.predict``: its collectives re-run on a mesh of ``min(size, 3)`` ranks per
-    axis at the target's local shape). Compute is timed once per distinct local shape,
-    shared by every candidate with that shard.
+    weights). Above it (64 ranks), on a mesh of ``min(size, 3)`` ranks per axis whose
+    every shard has the target's local shape (its middle rank has the interior rank's
+    halos), carried to the target by ``Estimate.predict``. Compute is timed once per
+    distinct local shape (a mesh of one rank, the shard as its whole input), shared by
+    every candidate with that shard; where the model refuses the shard as a whole input
+    (a positional table or FNO modes sized for the global input), the whole problem's
+    compute times the shard's share of the volume stands in (``Candidate.compute``).
 
     Memory per rank = the input shard + what autograd saves for backward + the outputs +
     the trainable parameters twice (weights and gradients); no optimizer state.
@@ -355,9 +358,6 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
                              f"({rule}); pass dims=(...) naming the domain's dims, e.g. "
                              f"dims=(1,) for a sequence (N, S, E)")
         found = _enumerate(shape, ranks, dims, min(max_axes, len(dims)))
-        if not found:
-            raise ValueError(f"{WHO}: {ranks} ranks do not factor over {rule} with at most "
-                             f"{max_axes} axes")
     kw = dict(repeats=repeats, warmup=warmup, seed=seed)
     predict_kw = dict(grad_sync=grad_sync, compute_scale=compute_scale)
     timings: dict = {}
@@ -370,6 +370,7 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
         else:
             _price(c, model_, example, network, measure_ranks, timings, kw, predict_kw)
         candidates.append(c)
+    for c in candidates:
         if (c.status == OK and memory_per_rank is not None
                 and c.memory_bytes > memory_per_rank):
             c.status = OVER

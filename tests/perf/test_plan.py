@@ -240,6 +240,31 @@ def test_ranks_must_be_an_int_of_at_least_two(ranks):
         spmd.plan(model, x, ranks=ranks, network=IB)
 
 
+def test_bad_arguments():
+    model, x = _case("unet")
+    for kw, match in [(dict(dims=(4,)), r"dims must be dims of the example"),
+                      (dict(objective="speed"), "objective must be one of"),
+                      (dict(max_axes=4), "max_axes must be 1, 2 or 3"),
+                      (dict(memory_per_rank=0), "memory_per_rank must be a positive int"),
+                      (dict(dims=(2,), specs=[P(None, None, "s")]), "dims or specs, not both"),
+                      (dict(specs=[(P(None, None, "a", "b"), (2, 4))]), "product 4")]:
+        with pytest.raises(ValueError, match=match):
+            spmd.plan(model, x, ranks=4, network=IB, **kw)
+    with pytest.raises(TypeError, match="network must be a spmd.perf.Network"):
+        spmd.plan(model, x, ranks=4, network="ib_ndr")
+
+
+def test_the_models_state_is_left_as_it_was():
+    """Planning runs training steps on converted copies: BatchNorm's running statistics
+    and the gradients are what they were."""
+    model = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    spmd.plan(model, torch.randn(2, 1, 8, 8), ranks=2, network=IB, **FAST)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_no_splittable_dim():
     with pytest.raises(ValueError, match=r"no dim of the example f32\[4, 8\] can be split"):
         spmd.plan(nn.Linear(8, 2), torch.randn(4, 8), ranks=2, network=IB)
@@ -345,7 +370,8 @@ def test_past_measure_ranks_a_candidate_is_predicted_from_a_small_mesh():
     rank (even shards)."""
     net = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 1, 3, padding=1))
     x = torch.randn(1, 1, 32, 32)
-    plan = spmd.plan(net, x, ranks=16, network=IB, measure_ranks=8, max_axes=1, **FAST)
+    plan = spmd.plan(net, x, ranks=16, network=IB, measure_ranks=8, **FAST)
+    assert {c.mesh_shape for c in plan.candidates} == {(16,), (2, 8), (4, 4), (8, 2)}
     assert all(not c.measured_mesh and c.bytes_per_rank is None for c in plan.candidates)
     for c in plan.candidates:
         sent, memory = _run(net, c, x)
