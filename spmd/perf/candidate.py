@@ -47,8 +47,8 @@ class Candidate:
             communication, gradient sync, efficiency).
         compute: ``"timed"`` (the largest shard's compute timed on a 1-rank mesh) or
             ``"scaled"`` (the model refuses the shard as a whole input, a positional table
-            or FNO modes sized for the global input: the whole problem's compute times
-            the shard's share of the volume).
+            or FNO modes sized for the global input: another candidate's timed shard
+            nearest in volume, or the whole problem, scaled by the volume ratio).
         measured, modelled: what was measured and what was scaled or modelled.
         estimate: the ``Estimate`` behind it (None if refused before one was made).
 
@@ -187,8 +187,8 @@ class Plan:
         if shown is not None:
             lines.append("measured: " + "; ".join(shown.measured[:-1]))
             lines.append("modelled: " + "; ".join(shown.modelled))
-        lines.append("compute: timed = the largest shard's, on a 1-rank mesh; scaled = the "
-                     "whole problem's x the shard's share (the model refuses the shard as a "
+        lines.append("compute: timed = the largest shard's, on a 1-rank mesh; scaled = "
+                     "another shard's by the volume ratio (the model refuses this shard as a "
                      "whole input); each candidate's measured[-1] says which")
         lines.append(f"compute timed at {len(self.timed_shapes)} local shape(s), each once; "
                      f"planned in {self.seconds:.3g} s")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..core._format import shape_str
-from ..core.errors import SpecError
+from ..core.errors import CommError, SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P, entry_axes
@@ -130,20 +130,17 @@ def _measured_step(est: Estimate, network: Network, grad_sync: str,
 
 def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network,
            measure_ranks: int, timings: dict, kw: dict, predict_kw: dict) -> None:
-    """Fill in ``c``'s costs (or mark it refused)."""
-    lay = Layout(tuple(x.shape), c.spec, _measure._Shape(c.mesh_shape, c.axis_names))
+    """Fill in ``c``'s costs (or mark it refused); its shard's compute is in ``timings``."""
+    inputs = _inputs(c, x)
     n = c.ranks
-    inputs = {r: math.prod(lay.local_shape(r)) * x.element_size() for r in range(n)}
-    largest = max(inputs, key=lambda r: (inputs[r], -r))
-    c.local_shape = tuple(lay.local_shape(largest))
+    how = timings[("compute", (c.local_shape,))][3]
     try:
-        how = _time_shard(timings, mdl, x, c, kw)
         if n <= measure_ranks:
             mesh = Mesh(c.mesh_shape, c.axis_names, backend="threads")
             est = estimate(mdl, mesh, c.spec, x, timings=timings, **kw)
             pred = _measured_step(est, network, **predict_kw)
-    except SpecError as e:
-        c.status, c.reason = REFUSED, _first_line(e)
+    except (SpecError, RuntimeError) as e:
+        _refused(c, e)
         return
     if n > measure_ranks:
         # Measured where predict measures: a mesh of min(size, 3) ranks per axis whose
@@ -158,16 +155,15 @@ def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network
                            _measure.fit_to(x, grown), timings=timings, **kw)
             pred = est.predict(mesh_shape=c.mesh_shape, network=network,
                                shapes=[tuple(x.shape)], **predict_kw)
-        except (SpecError, ValueError) as e:
-            c.status = REFUSED
-            c.reason = (f"on the {'x'.join(map(str, small))} threads mesh whose shards have "
-                        f"the target's local shape: {_first_line(e)}")
+        except (ValueError, RuntimeError) as e:  # SpecError is a ValueError
+            _refused(c, e, f"on the {'x'.join(map(str, small))} threads mesh whose shards "
+                           f"have the target's local shape: ")
             return
     c.estimate, c.prediction = est, pred
     c.param_bytes = sum(est.grad_bytes.values())
-    c.input_bytes = inputs[largest]
+    c.input_bytes = max(inputs.values())
     what = f"compute: {how}"
-    c.compute = "scaled" if "whole problem" in how else "timed"
+    c.compute = "timed" if how.startswith("timed") else "scaled"
     if n <= measure_ranks:
         c.measured_mesh = True
         c.bytes_per_rank = {r: f + b for r, (f, b) in est.bytes_per_rank.items()}
@@ -208,36 +204,75 @@ def _first_line(e: Exception) -> str:
     return s if len(s) <= 200 else s[:197] + "..."
 
 
-def _time_shard(timings: dict, mdl: torch.nn.Module, x: torch.Tensor, c: Candidate,
-                kw: dict) -> str:
-    """Time the compute of ``c``'s largest shard once into ``timings`` (as estimate
-    would, on a mesh of one rank with the shard as the whole input); where the model
-    refuses the shard as a whole input (a positional table, FNO modes: sizes that must
-    be the global ones), the whole problem's compute scaled by volume. Says which."""
-    key = ("compute", (c.local_shape,))
-    if key in timings:
-        how = timings[key][3] if len(timings[key]) > 3 else \
-            f"timed on a 1-rank mesh at {shape_str(c.local_shape)}"
-        return f"{how} (once, shared with other candidates)"
-    names = c.axis_names
-    setup = _measure.Setup(mdl, c.spec, c.spec, (x,), None, False, None, True, kw["seed"])
-    try:
-        f, b, ev = _measure.time_compute(setup, names, setup.args_of([c.local_shape]), None,
+def _inputs(c: Candidate, x: torch.Tensor) -> dict[int, int]:
+    """``{rank: bytes of its input shard}``; sets ``c.local_shape`` (the largest shard)."""
+    lay = Layout(tuple(x.shape), c.spec, _measure._Shape(c.mesh_shape, c.axis_names))
+    inputs = {r: math.prod(lay.local_shape(r)) * x.element_size() for r in range(c.ranks)}
+    largest = max(inputs, key=lambda r: (inputs[r], -r))
+    c.local_shape = tuple(lay.local_shape(largest))
+    return inputs
+
+
+def _refused(c: Candidate, e: Exception, where: str = "") -> None:
+    """Mark ``c`` refused by ``e``: a SpecError, or torch's own size check (a
+    RuntimeError); a failing collective is a fault, not a refusal, and propagates."""
+    if isinstance(e, CommError) or not isinstance(e, (SpecError, RuntimeError)):
+        raise e
+    c.status, c.reason = REFUSED, where + _first_line(e)
+
+
+def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
+                 cands: list[Candidate], kw: dict) -> dict[tuple[int, ...], Exception]:
+    """The compute of every candidate's largest shard, once per distinct shape, into
+    ``timings`` (as estimate times it: a mesh of one rank, the shard as its whole
+    input). A shard the model refuses as a whole input (a positional table or FNO
+    modes sized for the global input) takes the time of the timed shard nearest in
+    volume, scaled by the volume ratio (per-call costs included, as they are for the
+    others: every shard of one rank count has about the same volume), or, if none
+    was timed, the whole problem's scaled by the shard's share. Returns the shards left
+    untimed (the model refuses even the whole problem under that spec) and why."""
+    def timed(c: Candidate, shape: tuple[int, ...]) -> tuple:
+        setup = _measure.Setup(mdl, c.spec, c.spec, (x,), None, False, None, True, kw["seed"])
+        f, b, ev = _measure.time_compute(setup, c.axis_names, setup.args_of([shape]), None,
                                          kw["repeats"], kw["warmup"])
-        timings[key] = (f, b, ev, f"timed on a 1-rank mesh at {shape_str(c.local_shape)}")
-    except (SpecError, RuntimeError) as e:  # torch's own size checks raise RuntimeError
-        whole = ("compute", (tuple(x.shape),))
-        if whole not in timings:
-            f, b, ev = _measure.time_compute(setup, names, setup.args_of([tuple(x.shape)]),
-                                             None, kw["repeats"], kw["warmup"])
-            timings[whole] = (f, b, ev, f"timed on a 1-rank mesh at {shape_str(x.shape)}")
-        k = math.prod(c.local_shape) / math.prod(x.shape)
-        f, b = timings[whole][0] * k, timings[whole][1] * k
-        timings[key] = (f, b, None, (
-            f"the whole problem's, timed on one rank, x {k:.4g} (the shard's share: work "
-            f"assumed linear in volume; the model refuses the shard {shape_str(c.local_shape)} "
-            f"as a whole input: {_first_line(e)})"))
-    return timings[key][3]
+        return f, b, ev, f"timed on a 1-rank mesh at {shape_str(shape)}"
+
+    refused: dict[tuple[int, ...], tuple[Candidate, Exception]] = {}
+    for c in cands:
+        key = ("compute", (c.local_shape,))
+        if key in timings or c.local_shape in refused:
+            continue
+        try:
+            timings[key] = timed(c, c.local_shape)
+        except (SpecError, RuntimeError) as e:
+            if isinstance(e, CommError):
+                raise
+            refused[c.local_shape] = (c, e)
+    done = [k[1][0] for k in timings if k[0] == "compute"]
+    failed: dict[tuple[int, ...], Exception] = {}
+    for shape, (c, e) in refused.items():
+        vol = math.prod(shape)
+        if done:
+            ref = min(done, key=lambda s: (abs(math.log(math.prod(s) / vol)), s))
+            what = f"the shard {shape_str(ref)}'s (timed)"
+        else:
+            ref = tuple(x.shape)
+            whole = ("compute", (ref,))
+            if whole not in timings:
+                try:
+                    timings[whole] = timed(c, ref)
+                except (SpecError, RuntimeError) as e2:  # refused whatever the size
+                    if isinstance(e2, CommError):
+                        raise
+                    failed[shape] = e
+                    continue
+            what = "the whole problem's (timed on one rank)"
+        k = vol / math.prod(ref)
+        f, b = timings[("compute", (ref,))][:2]
+        timings[("compute", (shape,))] = (f * k, b * k, None, (
+            f"{what} x {k:.4g} (the volume ratio: the model refuses the shard "
+            f"{shape_str(shape)} as a whole input: {_first_line(e)})"))
+    return failed
 
 
 def _rank_key(objective: str):
@@ -279,8 +314,9 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
     halos), carried to the target by ``Estimate.predict``. Compute is timed once per
     distinct local shape (a mesh of one rank, the shard as its whole input), shared by
     every candidate with that shard; where the model refuses the shard as a whole input
-    (a positional table or FNO modes sized for the global input), the whole problem's
-    compute times the shard's share of the volume stands in (``Candidate.compute``).
+    (a positional table or FNO modes sized for the global input), the timed shard
+    nearest in volume (or the whole problem) scaled by the volume ratio stands in
+    (``Candidate.compute``).
 
     Memory per rank = the input shard + what autograd saves for backward + the outputs +
     the trainable parameters twice (weights and gradients); no optimizer state.
@@ -361,15 +397,19 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
     kw = dict(repeats=repeats, warmup=warmup, seed=seed)
     predict_kw = dict(grad_sync=grad_sync, compute_scale=compute_scale)
     timings: dict = {}
-    candidates = []
-    for sizes, names, spec in found:
-        c = Candidate(sizes, names, spec)
-        why = _empty(shape, sizes, names, spec)
+    candidates = [Candidate(sizes, names, spec) for sizes, names, spec in found]
+    for c in candidates:
+        _inputs(c, example)
+        why = _empty(shape, c.mesh_shape, c.axis_names, c.spec)
         if why is not None:
             c.status, c.reason = REFUSED, why
-        else:
+    untimed = _time_shards(timings, model_, example,
+                           [c for c in candidates if c.status == OK], kw)
+    for c in candidates:
+        if c.status == OK and c.local_shape in untimed:
+            _refused(c, untimed[c.local_shape])
+        elif c.status == OK:
             _price(c, model_, example, network, measure_ranks, timings, kw, predict_kw)
-        candidates.append(c)
     for c in candidates:
         if (c.status == OK and memory_per_rank is not None
                 and c.memory_bytes > memory_per_rank):
@@ -390,7 +430,8 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
         raise SpecError(f"{WHO}: no decomposition of {shape_str(shape)} over {ranks} ranks "
                         f"works for this model:\n{reasons}")
     usable.sort(key=_rank_key(objective))
-    shapes = tuple(k[1][0] for k in timings if k[0] == "compute")
+    shapes = tuple(k[1][0] for k, v in timings.items()
+                   if k[0] == "compute" and (len(v) < 4 or v[3].startswith("timed")))
     return Plan(usable + over + refused, objective, ranks, network, memory_per_rank, shape,
                 shapes, time.perf_counter() - t0)
 

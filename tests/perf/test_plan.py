@@ -323,6 +323,21 @@ def test_specs_and_dims_choose_the_candidates_and_each_local_shape_is_timed_once
     assert [c.spec for c in one.candidates] == [P(None, None, None, "d3")]
 
 
+def test_a_shard_the_model_refuses_as_a_whole_input_takes_a_timed_shards_compute():
+    """The FNO keeps 4 modes per dim: a shard of 2 rows cannot be timed as a whole input
+    (2 frequencies); it takes the compute of the timed shard nearest in volume, times the
+    volume ratio (1 here: every shard of 8 ranks has 64 positions)."""
+    plan = _plan("fno", 8)
+    timed = [c for c in plan.ranked if c.compute == "timed"]
+    scaled = [c for c in plan.ranked if c.compute == "scaled"]
+    assert [c.local_shape for c in timed] == [(1, 2, 4, 8)] and len(scaled) == 3
+    assert (1, 2, 2, 16) not in plan.timed_shapes and (1, 2, 4, 8) in plan.timed_shapes
+    for c in scaled:
+        assert c.prediction.compute_s == timed[0].prediction.compute_s
+        assert "the shard [1, 2, 4, 8]'s (timed) x 1 (the volume ratio" in c.measured[-1]
+        assert "SpectralConv2d: modes 4" in c.measured[-1]
+
+
 def test_candidates_enumerated_for_a_rank_count():
     assert factorizations(8, 2) == [(2, 4), (4, 2)] and factorizations(12, 3) == [
         (2, 2, 3), (2, 3, 2), (3, 2, 2)]
