@@ -22,7 +22,8 @@ from ..core.errors import CommError, SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P, entry_axes
-from . import _measure, model
+from . import _measure
+from . import model as cost_model
 from .candidate import OK, OVER, REFUSED, Candidate, Plan
 from .cost import Estimate, estimate
 from .network import Network
@@ -101,7 +102,7 @@ def _empty(shape: tuple[int, ...], sizes: tuple[int, ...], names: tuple[str, ...
 # -- pricing --------------------------------------------------------------------------------
 
 def _measured_step(est: Estimate, network: Network, grad_sync: str,
-                   compute_scale: float) -> model.Prediction:
+                   compute_scale: float) -> cost_model.Prediction:
     """The step on ``network`` from the collectives run on this very mesh (every rank's,
     the one that stalls longest), compute timed at the largest shard: ``predict``'s
     model without its re-measurement on a smaller mesh."""
@@ -112,18 +113,18 @@ def _measured_step(est: Estimate, network: Network, grad_sync: str,
         keys = [(c.name, c.kind, c.pass_) for c in cs]
         evs = [events.get((*k, o)) for k, o in zip(keys, _measure.ordinals(keys))]
         times = [c.time(network) for c in cs]
-        t = model.exposed(times, evs, f, b)
+        t = cost_model.exposed(times, evs, f, b)
         nbytes = sum(c.nbytes for c in cs)
         if (t, nbytes) > (best[0], best[2]):
             best = (t, sum(times) - t, nbytes)
     comm_s, hidden_s, nbytes = best
     n = math.prod(est.mesh_shape)
-    gs, gbytes, _ = model._grad_sync(est, n, network, grad_sync, b)
+    gs, gbytes, _ = cost_model._grad_sync(est, n, network, grad_sync, b)
     sf, sb = est._time(list(est.global_shapes))
     serial = (sf + sb) / compute_scale
     step_s = f + b + comm_s + gs
     eff = serial / (n * step_s) if step_s > 0 else 1.0
-    return model.Prediction(n, est.mesh_shape, "strong", network.name, est.global_shapes,
+    return cost_model.Prediction(n, est.mesh_shape, "strong", network.name, est.global_shapes,
                             est.local_shapes, f, b, comm_s, gs, step_s, serial, eff, nbytes,
                             gbytes, est.peak_activation_bytes, (), hidden_s)
 
@@ -284,12 +285,12 @@ def _rank_key(objective: str):
     return key
 
 
-def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: Network,
+def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: Network,
          memory_per_rank: int | None = None, dims: Sequence[int] | None = None,
          specs: Sequence[Any] | None = None, max_axes: int = 2, objective: str = "time",
          measure_ranks: int = 8, grad_sync: str = "end", compute_scale: float = 1.0,
          repeats: int = 3, warmup: int = 1, seed: int = 0) -> Plan:
-    """Choose a decomposition of ``example`` for ``model_`` on ``ranks`` ranks: every mesh
+    """Choose a decomposition of ``example`` for ``model`` on ``ranks`` ranks: every mesh
     shape and assignment of its axes to the splittable dims, each converted, run on a
     threads mesh and priced; the usable ones ranked by ``objective``.
 
@@ -322,7 +323,7 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
     the trainable parameters twice (weights and gradients); no optimizer state.
 
     Args:
-        model_: a plain ``nn.Module`` (convert is applied per candidate).
+        model: a plain ``nn.Module`` (convert is applied per candidate).
         example: the global input (one tensor; ``requires_grad`` is not needed).
         ranks: how many ranks (>= 2).
         network: a ``Network`` (``spmd.perf.NETWORKS[...]``, ``fit_network()``).
@@ -359,8 +360,23 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
         raise ValueError(f"{WHO}: ranks must be an int >= 2 (one rank has nothing to split), "
                          f"got {ranks!r}")
-    if not isinstance(model_, torch.nn.Module):
-        raise TypeError(f"{WHO}: model must be an nn.Module, got {type(model_).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{WHO}: model must be an nn.Module, got {type(model).__name__}")
+    why = _measure.bound(model)
+    if why is not None:
+        raise SpecError(f"{WHO}: the model is tied to one mesh ({why}); plan converts it for "
+                        f"every candidate mesh: pass the plain model")
+    if grad_sync not in cost_model.GRAD_SYNCS:
+        raise ValueError(f"{WHO}: grad_sync must be one of {cost_model.GRAD_SYNCS}, got "
+                         f"{grad_sync!r}")
+    for arg, v, lo in (("measure_ranks", measure_ranks, 1), ("repeats", repeats, 1),
+                       ("warmup", warmup, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{WHO}: {arg} must be an int >= {lo}, got {v!r}")
+    if isinstance(compute_scale, bool) or not isinstance(compute_scale, (int, float)) \
+            or not compute_scale > 0:
+        raise ValueError(f"{WHO}: compute_scale must be a positive number, got "
+                         f"{compute_scale!r}")
     if not isinstance(example, torch.Tensor):
         raise TypeError(f"{WHO}: example must be the global input tensor, got "
                         f"{type(example).__name__}")
@@ -403,13 +419,13 @@ def plan(model_: torch.nn.Module, example: torch.Tensor, *, ranks: int, network:
         why = _empty(shape, c.mesh_shape, c.axis_names, c.spec)
         if why is not None:
             c.status, c.reason = REFUSED, why
-    untimed = _time_shards(timings, model_, example,
+    untimed = _time_shards(timings, model, example,
                            [c for c in candidates if c.status == OK], kw)
     for c in candidates:
         if c.status == OK and c.local_shape in untimed:
             _refused(c, untimed[c.local_shape])
         elif c.status == OK:
-            _price(c, model_, example, network, measure_ranks, timings, kw, predict_kw)
+            _price(c, model, example, network, measure_ranks, timings, kw, predict_kw)
     for c in candidates:
         if (c.status == OK and memory_per_rank is not None
                 and c.memory_bytes > memory_per_rank):

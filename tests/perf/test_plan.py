@@ -250,8 +250,16 @@ def test_bad_arguments():
                       (dict(specs=[(P(None, None, "a", "b"), (2, 4))]), "product 4")]:
         with pytest.raises(ValueError, match=match):
             spmd.plan(model, x, ranks=4, network=IB, **kw)
+    for kw, match in [(dict(grad_sync="later"), "grad_sync must be one of"),
+                      (dict(measure_ranks=0), "measure_ranks must be an int >= 1"),
+                      (dict(compute_scale=0), "compute_scale must be a positive number")]:
+        with pytest.raises(ValueError, match=match):
+            spmd.plan(model, x, ranks=4, network=IB, **kw)
     with pytest.raises(TypeError, match="network must be a spmd.perf.Network"):
         spmd.plan(model, x, ranks=4, network="ib_ndr")
+    with pytest.raises(spmd.SpecError, match="tied to one mesh .*pass the plain model"):
+        spmd.plan(spmd.nn.convert(model, spmd.Mesh((4,), ("d2",)), P(None, None, "d2")), x,
+                  ranks=4, network=IB)
 
 
 def test_the_models_state_is_left_as_it_was():
