@@ -27,12 +27,13 @@ class Candidate:
     Attributes:
         mesh_shape, axis_names, spec: what ``Mesh`` and ``convert``/``shard_map`` take.
         status: ``"ok"``, ``"over budget"`` (memory above ``memory_per_rank``) or
-            ``"refused"`` (empty shards, or a ``SpecError`` from convert or shard_map).
+            ``"refused"`` (empty shards, a ``SpecError`` from convert or shard_map, or
+            torch's own size check: a kernel wider than what reaches it).
         reason: why it was discarded (``""`` when it was not).
         local_shape: the input's shard on the largest rank.
-        measured_mesh: True where every figure below comes from a run on a threads mesh
-            of this very shape; False where they were predicted from smaller meshes
-            (``Estimate.predict``).
+        measured_mesh: True where the bytes and memory below come from a run on a
+            threads mesh of this very shape; False where they come from a smaller mesh
+            whose shards have this one's local shape (``Estimate.predict``).
         bytes_per_rank: ``{rank: bytes sent per step}`` (forward + backward, as
             ``spmd.comm_stats`` records them; the gradient all-reduce apart), on a
             measured mesh; None when predicted.
