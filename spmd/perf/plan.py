@@ -214,12 +214,29 @@ def _inputs(c: Candidate, x: torch.Tensor) -> dict[int, int]:
     return inputs
 
 
+def _is_refusal(e: Exception) -> bool:
+    """A SpecError, or torch's own size check (a RuntimeError); a failing collective is
+    a fault, not a refusal."""
+    return isinstance(e, (SpecError, RuntimeError)) and not isinstance(e, CommError)
+
+
 def _refused(c: Candidate, e: Exception, where: str = "") -> None:
-    """Mark ``c`` refused by ``e``: a SpecError, or torch's own size check (a
-    RuntimeError); a failing collective is a fault, not a refusal, and propagates."""
-    if isinstance(e, CommError) or not isinstance(e, (SpecError, RuntimeError)):
+    """Mark ``c`` refused by ``e`` (``_is_refusal``; anything else propagates)."""
+    if not _is_refusal(e):
         raise e
     c.status, c.reason = REFUSED, where + _first_line(e)
+
+
+def _timed(mdl: torch.nn.Module, x: torch.Tensor, c: Candidate, shape: tuple[int, ...],
+           kw: dict) -> tuple:
+    """(forward s, backward s, events, how) of ``mdl`` converted for ``c``'s spec on a mesh
+    of one rank, with ``x`` cut to ``shape`` as its whole input."""
+    setup = _measure.Setup(mdl, c.spec, c.spec, (x,), None, False, None, True, kw["seed"])
+    # the fastest of the repeats: steadier than the median on a shared machine, and the
+    # ranking compares candidates timed at different moments
+    f, b, ev = _measure.time_compute(setup, c.axis_names, setup.args_of([shape]), None,
+                                     kw["repeats"], kw["warmup"], stat="min")
+    return f, b, ev, f"timed on a 1-rank mesh at {shape_str(shape)} (fastest of {kw['repeats']})"
 
 
 def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
@@ -233,10 +250,7 @@ def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
     was timed, the whole problem's scaled by the shard's share. Returns the shards left
     untimed (the model refuses even the whole problem under that spec) and why."""
     def timed(c: Candidate, shape: tuple[int, ...]) -> tuple:
-        setup = _measure.Setup(mdl, c.spec, c.spec, (x,), None, False, None, True, kw["seed"])
-        f, b, ev = _measure.time_compute(setup, c.axis_names, setup.args_of([shape]), None,
-                                         kw["repeats"], kw["warmup"])
-        return f, b, ev, f"timed on a 1-rank mesh at {shape_str(shape)}"
+        return _timed(mdl, x, c, shape, kw)
 
     refused: dict[tuple[int, ...], tuple[Candidate, Exception]] = {}
     for c in cands:
@@ -246,7 +260,7 @@ def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
         try:
             timings[key] = timed(c, c.local_shape)
         except (SpecError, RuntimeError) as e:
-            if isinstance(e, CommError):
+            if not _is_refusal(e):
                 raise
             refused[c.local_shape] = (c, e)
     done = [k[1][0] for k in timings if k[0] == "compute"]
@@ -263,7 +277,7 @@ def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
                 try:
                     timings[whole] = timed(c, ref)
                 except (SpecError, RuntimeError) as e2:  # refused whatever the size
-                    if isinstance(e2, CommError):
+                    if not _is_refusal(e2):
                         raise
                     failed[shape] = e
                     continue
@@ -335,7 +349,8 @@ def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: 
         objective: ``"time"`` (predicted step), ``"memory"`` or ``"bytes"`` (sent per rank).
         measure_ranks: candidates of up to this many ranks are run at their own shape.
         grad_sync, compute_scale: as for ``Estimate.predict``.
-        repeats, warmup, seed: as for ``estimate``.
+        repeats, warmup, seed: as for ``estimate`` (compute: the fastest of the repeats,
+            steadier on a shared machine than their median).
 
     Returns:
         A ``Plan``: ``print(plan)``, ``plan.best.spec``, ``plan.best.mesh()``,
@@ -419,8 +434,17 @@ def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: 
         why = _empty(shape, c.mesh_shape, c.axis_names, c.spec)
         if why is not None:
             c.status, c.reason = REFUSED, why
-    untimed = _time_shards(timings, model, example,
-                           [c for c in candidates if c.status == OK], kw)
+    usable = [c for c in candidates if c.status == OK]
+    untimed = _time_shards(timings, model, example, usable, kw)
+    whole = ("compute", (shape,))
+    for c in usable if ranks <= measure_ranks else ():  # the efficiency's one-device time
+        if whole in timings or c.local_shape in untimed:
+            continue
+        try:
+            timings[whole] = _timed(model, example, c, shape, kw)
+        except (SpecError, RuntimeError) as e:  # that spec is refused: try the next one
+            if not _is_refusal(e):
+                raise
     for c in candidates:
         if c.status == OK and c.local_shape in untimed:
             _refused(c, untimed[c.local_shape])
