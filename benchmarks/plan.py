@@ -4,7 +4,7 @@ most 3 ranks per axis at its local shape and predicted (``measure_ranks``, defau
 and for 8 ranks, every candidate run at its own shape.
 
     python benchmarks/plan.py [--size 512] [--ranks 64,8] [--repeats 3] [--warmup 1]
-                              [--check]
+                              [--check] [--gloo 4 --steps 10]
 
 Prints the load average, each plan's table and the seconds it took (one run each;
 the machine is shared: read the load). ``--check`` then runs every usable candidate
@@ -12,11 +12,18 @@ as a user would (convert, shard_map, two training steps on a threads mesh of its
 shape) and compares the bytes the busiest rank sends (comm_stats) and its memory
 (saved-tensor hooks + input shard + outputs + twice the parameters) with the plan's:
 predicted ones too (``--size 128 --ranks 64 --check``: about 10 s a candidate).
+
+``--gloo N`` plans for N ranks with a network fitted on gloo here (world 2, loopback,
+``fit_network``) and runs every usable candidate as N gloo processes (one torch thread
+each; N > 2 oversubscribes this machine's cores, so the compute there is slower than
+timed alone): the slowest rank's median step time per candidate, the plan's order
+against the measured one.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
@@ -71,6 +78,51 @@ def run(model: nn.Module, c, x: torch.Tensor) -> tuple[int, int]:
     return max(sent), max(held.values()) + 2 * pbytes
 
 
+def _fit(mesh):
+    torch.set_num_threads(1)
+    return spmd.perf.fit_network(sizes=(64, 1 << 14, 1 << 18, 1 << 20), repeats=15, warmup=3,
+                                 name="gloo loopback (fitted)")
+
+
+def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
+    """Seconds of each training step (forward, backward from a fixed cotangent, the
+    gradient all-reduce shard_map does on processes) of this rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(1, 4, size, size)
+    f = spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, spec)
+    w = torch.randn(x.shape[0], 1, size, size, generator=torch.Generator().manual_seed(1))
+    out = []
+    for i in range(steps + 2):  # the first learns the layouts, the second warms up
+        t0 = time.perf_counter()
+        (f(x) * w).sum().backward()
+        if i >= 2:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def gloo(world: int, size: int, steps: int, repeats: int, warmup: int) -> None:
+    net = spmd.launch(_fit, (2,), ("sp",), backend="gloo", timeout=600)[0]
+    print(f"network: {net!r}")
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(1, 4, size, size)
+    plan = spmd.plan(model, x, ranks=world, network=net, repeats=repeats, warmup=warmup)
+    print(plan)
+    print("\n| candidate | planned step ms | gloo step ms (median, slowest rank) | "
+          "load average |\n|---|---:|---:|---:|")
+    measured = {}
+    for c in plan.ranked:
+        res = spmd.launch(_gloo_steps, c.mesh_shape, c.axis_names, backend="gloo",
+                          args=(c.spec, size, steps), timeout=600)
+        step = statistics.median(max(r[i] for r in res) for i in range(steps))
+        measured[c.mesh_shape, c.spec] = step
+        print(f"| {'x'.join(map(str, c.mesh_shape))} {c.spec} | {c.step_s * 1e3:.1f} | "
+              f"{step * 1e3:.1f} | {os.getloadavg()[0]:.2f} |", flush=True)
+    order = sorted(measured, key=measured.get)
+    print(f"\nplan's order:   {[(c.mesh_shape, str(c.spec)) for c in plan.ranked]}")
+    print(f"measured order: {[(m, str(s)) for m, s in order]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=512)
@@ -78,8 +130,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--gloo", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.gloo:
+        return gloo(a.gloo, a.size, a.steps, a.repeats, a.warmup)
     torch.manual_seed(0)
     model, x = UNet(), torch.randn(1, 4, a.size, a.size)
     print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")
