@@ -166,6 +166,14 @@ def test_every_kept_candidate_has_the_bytes_and_memory_of_a_run(name, ranks):
         p = c.prediction
         assert p.step_s == pytest.approx(p.compute_s + p.comm_s + p.grad_sync_s, rel=1e-12)
         assert p.compute_s > 0 and p.grad_bytes == c.param_bytes > 0
+        # what was measured and what modelled, per candidate
+        assert c.measured[0].startswith("bytes per rank: comm_stats")
+        if c.compute == "timed":
+            assert c.measured[-1].startswith("compute: timed on a 1-rank mesh")
+        else:  # the ViT's table and the FNO's modes need the global sizes
+            assert c.compute == "scaled" and "(the volume ratio: the model refuses the " \
+                f"shard {list(c.local_shape)}" in c.measured[-1]
+        assert any("gradient all-reduce" in m and "modelled" not in m for m in c.modelled)
     # refused ones say why, and convert refuses them alike
     for c in plan.candidates:
         if c.status == "refused" and not c.reason.startswith("empty"):
