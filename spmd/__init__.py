@@ -37,7 +37,7 @@ The layers, each importing only the ones listed before it:
     run/          launch: one function on every rank, as threads or gloo processes
     testing/      prove your own ops: assert_matches_single_device, check_adjoint, on_mesh
     perf/         estimate: a step's collectives, memory and compute per rank, predicted
-                  to thousands of ranks with a network model
+                  to thousands of ranks with a network model; plan: which decomposition
     viz/, demo/   visualize a layout; the heat-diffusion demo (python -m spmd demo)
 
 Read next: the README's tour; ``help(spmd.shard_map)``; ``spmd.ops`` and
@@ -87,10 +87,10 @@ def __getattr__(name: str):
     if name in ("to_dtensor", "from_dtensor"):
         from .checkpoint import dtensor
         return getattr(dtensor, name)
-    if name in ("perf", "estimate"):  # measures and predicts: only on use
+    if name in ("perf", "estimate", "plan"):  # measures and predicts: only on use
         import importlib
         perf = importlib.import_module(".perf", __name__)
-        return perf if name == "perf" else perf.estimate
+        return perf if name == "perf" else getattr(perf, name)
     raise AttributeError(f"module 'spmd' has no attribute {name!r}")
 
 
@@ -101,5 +101,5 @@ __all__ = [
     "psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
     "all_to_all", "broadcast", "axis_index", "axis_size",
     "SpecError", "CommError", "CommTimeout", "CommAborted", "ops", "nn", "parallel", "fft",
-    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate", "random",
+    "checkpoint", "to_dtensor", "from_dtensor", "perf", "estimate", "plan", "random",
 ]

@@ -15,7 +15,7 @@ ids = [p.stem for p in NOTEBOOKS]
 
 def test_the_notebooks_exist():
     assert ids == ["01_tour", "02_domain_parallel_cnn", "03_custom_ops", "04_property_tests",
-                   "05_fno_darcy", "06_attention"]
+                   "05_fno_darcy", "06_attention", "07_planner"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=ids)

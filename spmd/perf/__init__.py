@@ -9,6 +9,9 @@ collectives), ``format_predictions`` prints a sweep.
     for p in est.sweep([8, 64, 512, 4096], network=spmd.perf.NETWORKS["ib_ndr"]):
         print(p)
 
+``plan`` chooses the decomposition: every mesh shape and split for a rank count, each
+run and priced, ranked by step time, memory or bytes.
+
 ``benchmarks/scaling.py`` plots predicted efficiency and checks predictions against
 step times measured on gloo processes.
 """
@@ -16,6 +19,8 @@ from ._measure import Collective
 from .cost import Estimate, estimate
 from .model import Prediction, format_predictions, mesh_shape_for, predict
 from .network import KINDS, NETWORKS, Network, collective_time, fit_network
+from .plan import Candidate, Plan, plan
 
 __all__ = ["estimate", "Estimate", "Collective", "Prediction", "predict", "format_predictions",
-           "mesh_shape_for", "Network", "NETWORKS", "KINDS", "collective_time", "fit_network"]
+           "mesh_shape_for", "Network", "NETWORKS", "KINDS", "collective_time", "fit_network",
+           "plan", "Plan", "Candidate"]

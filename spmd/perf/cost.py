@@ -74,6 +74,7 @@ class Estimate:
     _repeats: int = field(repr=False, compare=False, default=5)
     _warmup: int = field(repr=False, compare=False, default=2)
     _cache: dict = field(repr=False, compare=False, default_factory=dict)
+    _timings: dict | None = field(repr=False, compare=False, default=None)
 
     # -- summaries ---------------------------------------------------------------------------
 
@@ -256,12 +257,15 @@ class Estimate:
         return self._timed(shapes)[2]
 
     def _timed(self, shapes: list[tuple[int, ...]]) -> tuple:
+        # ``timings=`` (estimate's) is shared between estimates of one model: a local shape
+        # timed for one spec is not timed again for another.
+        store = self._cache if self._timings is None else self._timings
         key = ("compute", tuple(shapes))
-        if key not in self._cache:
+        if key not in store:
             args = self._setup.args_of(shapes)
-            self._cache[key] = _measure.time_compute(self._setup, self.axis_names, args,
-                                                     self._device, self._repeats, self._warmup)
-        return self._cache[key]
+            store[key] = _measure.time_compute(self._setup, self.axis_names, args,
+                                               self._device, self._repeats, self._warmup)
+        return store[key]
 
     def _run(self, mesh_shape: tuple[int, ...], shapes: list[tuple[int, ...]]) -> _measure.Run:
         key = ("run", mesh_shape, tuple(shapes))
@@ -278,7 +282,8 @@ def _ms(s: float) -> str:
 def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any, *args: Any,
              out_specs: Any = None, spec: Any = None, build: bool = False,
              params: Sequence[torch.Tensor] | None = None, backward: bool = True,
-             repeats: int = 5, warmup: int = 2, seed: int = 0) -> Estimate:
+             repeats: int = 5, warmup: int = 2, seed: int = 0,
+             timings: dict | None = None) -> Estimate:
     """Measure one step of a domain-parallel body: per rank, its collectives, the bytes it
     keeps for backward and, on one rank's shard, its compute time.
 
@@ -314,6 +319,10 @@ def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any,
         backward: measure the backward too.
         repeats, warmup: timed and untimed steps of the compute measurement.
         seed: seeds the cotangent.
+        timings: a dict shared between estimates of one model and example under other
+            specs or meshes (``spmd.plan`` passes one): compute at a local shape already
+            timed in it is taken from it, not timed again (keyed by the local shapes
+            alone; the spec changes which dims exchange halos, not the shard's work).
 
     Returns:
         An ``Estimate``: ``print(est)`` for a table, ``est.predict(...)`` for larger
@@ -345,6 +354,8 @@ def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any,
     if not callable(fn_or_model):
         raise TypeError(f"{WHO}: fn_or_model must be a function or an nn.Module, got "
                         f"{type(fn_or_model).__name__}")
+    if timings is not None and not isinstance(timings, dict):
+        raise TypeError(f"{WHO}: timings must be a dict (or None), got {type(timings).__name__}")
     for arg, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{WHO}: {arg} must be an int >= {lo}, got {v!r}")
@@ -390,7 +401,8 @@ def estimate(fn_or_model: Callable | torch.nn.Module, mesh: Mesh, in_specs: Any,
         grad[p.dtype] = grad.get(p.dtype, 0) + p.numel() * p.element_size()
     est = Estimate(tuple(mesh.shape), names, backward, tuple(setup.shapes()), tuple(local),
                    largest, res.comm, res.saved, res.outputs, grad, 0.0, 0.0, setup, device,
-                   [(p.shape, p.dtype) for p in res.params], repeats, warmup)
+                   [(p.shape, p.dtype) for p in res.params], repeats, warmup,
+                   _timings=timings)
     est._cache[("run", tuple(mesh.shape), tuple(setup.shapes()))] = res
     try:
         est.forward_s, est.backward_s = est._time(local)

@@ -1,0 +1,158 @@
+"""How long ``spmd.plan`` takes: a 3-level U-Net (conv, max-pool, nearest upsample, skip
+concatenated on channels) planned for 64 ranks, every candidate measured on a mesh of at
+most 3 ranks per axis at its local shape and predicted (``measure_ranks``, default 8),
+and for 8 ranks, every candidate run at its own shape.
+
+    python benchmarks/plan.py [--size 512] [--ranks 64,8] [--repeats 3] [--warmup 1]
+                              [--check] [--gloo 4 --steps 10]
+
+Prints the load average, each plan's table and the seconds it took (one run each;
+the machine is shared: read the load). ``--check`` then runs every usable candidate
+as a user would (convert, shard_map, two training steps on a threads mesh of its
+shape) and compares the bytes the busiest rank sends (comm_stats) and its memory
+(saved-tensor hooks + input shard + outputs + twice the parameters) with the plan's:
+predicted ones too (``--size 128 --ranks 64 --check``: about 10 s a candidate).
+
+``--gloo N`` plans for N ranks with a network fitted on gloo here (world 2, loopback,
+``fit_network``) and runs every usable candidate as N gloo processes (one torch thread
+each; N > 2 oversubscribes this machine's cores, so the compute there is slower than
+timed alone): the slowest rank's median step time per candidate, the plan's order
+against the measured one.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import spmd
+from spmd.testing.memory import SavedBytes
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 4, w: int = 8, levels: int = 3):
+        super().__init__()
+        self.inc = nn.Conv2d(c, w, 3, padding=1)
+        self.down = nn.ModuleList(nn.Conv2d(w, w, 3, padding=1) for _ in range(levels))
+        self.up = nn.ModuleList(nn.Conv2d(2 * w, w, 3, padding=1) for _ in range(levels))
+        self.out = nn.Conv2d(w, 1, 1)
+
+    def forward(self, x):
+        h = torch.relu(self.inc(x))
+        skips = []
+        for conv in self.down:
+            skips.append(h)
+            h = torch.relu(conv(F.max_pool2d(h, 2)))
+        for conv, s in zip(self.up, reversed(skips)):
+            h = F.interpolate(h, scale_factor=2, mode="nearest")
+            h = torch.relu(conv(torch.cat([h, s], 1)))
+        return self.out(h)
+
+
+def run(model: nn.Module, c, x: torch.Tensor) -> tuple[int, int]:
+    """(bytes sent, memory) of the busiest rank of ``c`` run directly."""
+    mesh = c.mesh("threads")
+    sharded = spmd.nn.convert(model, mesh, c.spec)
+    params = [p for p in sharded.parameters() if p.requires_grad]
+    held: dict[int, int] = {}
+
+    def body(xl):
+        with SavedBytes([*params, xl]) as s:
+            y = sharded(xl)
+        held[spmd.axis_index(mesh.axis_names)] = s.total + xl.nbytes + y.nbytes
+        return y
+
+    f = spmd.shard_map(body, mesh, c.spec, c.spec, params=params)
+    for _ in range(2):  # the second step is the steady state
+        with spmd.comm_stats() as st:
+            f(x).sum().backward()
+    sent = [0] * mesh.size
+    for *_, rank, _pass, nbytes in st.records:
+        sent[rank] += nbytes
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    return max(sent), max(held.values()) + 2 * pbytes
+
+
+def _fit(mesh):
+    torch.set_num_threads(1)
+    return spmd.perf.fit_network(sizes=(64, 1 << 14, 1 << 18, 1 << 20), repeats=15, warmup=3,
+                                 name="gloo loopback (fitted)")
+
+
+def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
+    """Seconds of each training step (forward, backward from a fixed cotangent, the
+    gradient all-reduce shard_map does on processes) of this rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(1, 4, size, size)
+    f = spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, spec)
+    w = torch.randn(x.shape[0], 1, size, size, generator=torch.Generator().manual_seed(1))
+    out = []
+    for i in range(steps + 2):  # the first learns the layouts, the second warms up
+        t0 = time.perf_counter()
+        (f(x) * w).sum().backward()
+        if i >= 2:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def gloo(world: int, size: int, steps: int, repeats: int, warmup: int) -> None:
+    net = spmd.launch(_fit, (2,), ("sp",), backend="gloo", timeout=600)[0]
+    print(f"network: {net!r}")
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(1, 4, size, size)
+    plan = spmd.plan(model, x, ranks=world, network=net, repeats=repeats, warmup=warmup)
+    print(plan)
+    print("\n| candidate | planned step ms | gloo step ms (median, slowest rank) | "
+          "load average |\n|---|---:|---:|---:|")
+    measured = {}
+    for c in plan.ranked:
+        res = spmd.launch(_gloo_steps, c.mesh_shape, c.axis_names, backend="gloo",
+                          args=(c.spec, size, steps), timeout=600)
+        step = statistics.median(max(r[i] for r in res) for i in range(steps))
+        measured[c.mesh_shape, c.spec] = step
+        print(f"| {'x'.join(map(str, c.mesh_shape))} {c.spec} | {c.step_s * 1e3:.1f} | "
+              f"{step * 1e3:.1f} | {os.getloadavg()[0]:.2f} |", flush=True)
+    order = sorted(measured, key=measured.get)
+    print(f"\nplan's order:   {[(c.mesh_shape, str(c.spec)) for c in plan.ranked]}")
+    print(f"measured order: {[(m, str(s)) for m, s in order]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", type=int, default=512)
+    ap.add_argument("--ranks", default="64,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--gloo", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=10)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    if a.gloo:
+        return gloo(a.gloo, a.size, a.steps, a.repeats, a.warmup)
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(1, 4, a.size, a.size)
+    print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")
+    for ranks in (int(r) for r in a.ranks.split(",")):
+        t0 = time.perf_counter()
+        plan = spmd.plan(model, x, ranks=ranks, network=spmd.perf.NETWORKS["ib_ndr"],
+                         repeats=a.repeats, warmup=a.warmup)
+        dt = time.perf_counter() - t0
+        print(plan)
+        print(f"{ranks} ranks: {len(plan.candidates)} candidates planned in {dt:.1f} s "
+              f"(load average {os.getloadavg()[0]:.2f})\n")
+        for c in plan.ranked if a.check else ():
+            sent, mem = run(model, c, x)
+            print(f"  {'x'.join(map(str, c.mesh_shape))} {c.spec}: sent {c.comm_bytes:,} B "
+                  f"planned, {sent:,} B run; memory {c.memory_bytes:,} B planned, "
+                  f"{mem:,} B run")
+
+
+if __name__ == "__main__":
+    main()
