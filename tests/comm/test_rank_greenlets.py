@@ -207,6 +207,25 @@ def test_one_backward_pass_gives_the_same_gradients_and_traffic_as_rank_threads(
     assert a[3] == b[3]
 
 
+def test_a_collective_is_a_node_only_when_some_ranks_input_needs_a_gradient():
+    """No rank's input needs a gradient: psum makes no node and its result needs none.
+    Only the ranks holding rows of a grad-requiring input need one: the node spans every
+    rank anyway, so the cotangent of the replicated output reaches each rank's bwd, and
+    the empty ranks' psum still meets in backward (the gradient is exact)."""
+    mesh = _mesh(4)
+    body = lambda x: spmd.psum((x * 2).sum(), "sp")  # noqa: E731
+    out = spmd.shard_map(body, mesh, P("sp"), P())(torch.randn(6, dtype=F64))
+    assert not out.requires_grad
+    with spmd.comm_stats() as st:
+        x = torch.randn(2, dtype=F64, requires_grad=True)  # ranks 2 and 3 hold nothing
+        y = spmd.shard_map(lambda x: spmd.psum((x * x).sum(), "sp") * 3, mesh, P("sp"),
+                           P())(x)
+        y.backward()
+    torch.testing.assert_close(x.grad, 6 * x.detach(), rtol=1e-12, atol=0)
+    assert sorted(r for r, p in {(rec[2], rec[3]) for rec in st.records}) == \
+        [0, 0, 1, 1, 2, 2, 3, 3]  # every rank: one psum forward, one backward
+
+
 def test_communication_outside_a_custom_vjp_in_backward_is_refused_clearly():
     class Sum(torch.autograd.Function):
         @staticmethod
