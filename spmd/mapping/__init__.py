@@ -42,7 +42,7 @@ from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
 from ..core.provenance import mark
 from ..core.spec import P
-from ..transforms.sharded import Sharded
+from ..transforms.sharded import Sharded, cat_plan
 from ._agreement import _check_call_agrees, _check_same_across
 from ._graph import _Node, _next_node_number
 from ._state import _State, _layout_for, _leaf_key, _shard_of, _sharded_layout
@@ -183,6 +183,16 @@ class _ShardMap:
         self._out_cache: dict = {}
         self._out_spec_cache: dict = {}
         self._out_axes = frozenset(spec_axes(out_specs))
+        self._cat_plans: dict = {}
+
+    def cat_plan(self, lay: Layout) -> Any:
+        """How to concatenate the ranks' shards of ``lay`` (cached per layout)."""
+        plan = self._cat_plans.get(lay)
+        if plan is None:
+            plan = self._cat_plans[lay] = cat_plan(lay, lay.owners())
+            if len(self._cat_plans) > 64:
+                self._cat_plans.pop(next(iter(self._cat_plans)))
+        return plan
 
     # -- inputs ---------------------------------------------------------------------------
 

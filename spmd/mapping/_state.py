@@ -17,7 +17,7 @@ from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh
 from ..core.spec import P
-from ..transforms.sharded import Sharded, same_cut
+from ..transforms.sharded import Sharded, run_cat_plan, same_cut
 from ._agreement import _MASK, _fingerprint, _same_py
 from ..core._engine import keep_graph as _keep_graph
 from ._graph import _graph_leaves, _reaches_older_nodes
@@ -208,6 +208,11 @@ class _State:
         grads: list[torch.Tensor | None] = []
         for j, i in enumerate(self.diff):
             lay = self.in_layouts[i]
+            got = [p[j] for p in per]
+            if not self.per_rank and not lay.replicated_axes and all(g is not None for g in got):
+                # every shard held by one rank: the gradient is their concatenation
+                grads.append(run_cat_plan(self.sm.cat_plan(lay), got))
+                continue
             acc = None
             for pos, rank in enumerate(self.ranks):
                 g = per[pos][j]
