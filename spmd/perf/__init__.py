@@ -19,7 +19,7 @@ from ._measure import Collective
 from .cost import Estimate, estimate
 from .model import Prediction, format_predictions, mesh_shape_for, predict
 from .network import KINDS, NETWORKS, Network, collective_time, fit_network
-from .plan import Candidate, Plan, plan
+from .planner import Candidate, Plan, plan
 
 __all__ = ["estimate", "Estimate", "Collective", "Prediction", "predict", "format_predictions",
            "mesh_shape_for", "Network", "NETWORKS", "KINDS", "collective_time", "fit_network",

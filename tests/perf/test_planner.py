@@ -1,4 +1,4 @@
-"""spmd.perf.plan: for a U-Net, an FNO and a ViT at 4 and 8 ranks, every candidate the
+"""spmd.perf.plan (spmd/perf/planner.py): for a U-Net, an FNO and a ViT at 4 and 8 ranks, every candidate the
 planner keeps has the bytes per rank that comm_stats counts when it is run (exactly) and
 the memory per rank that saved-tensor hooks count (within 10 %), both measured here
 independently of the planner; the best is the minimum of its objective; refusals keep
@@ -19,7 +19,7 @@ import spmd
 from spmd import P
 from spmd.perf import NETWORKS
 from spmd.perf import _measure
-from spmd.perf.plan import Candidate, Plan, factorizations
+from spmd.perf.planner import Candidate, Plan, factorizations
 from spmd.testing.memory import SavedBytes
 
 IB = NETWORKS["ib_ndr"]
