@@ -4,7 +4,7 @@ most 3 ranks per axis at its local shape and predicted (``measure_ranks``, defau
 and for 8 ranks, every candidate run at its own shape.
 
     python benchmarks/plan.py [--size 512] [--ranks 64,8] [--repeats 3] [--warmup 1]
-                              [--check] [--gloo 4 --steps 10]
+                              [--check] [--gloo 4 --steps 10 --rounds 2]
 
 Prints the load average, each plan's table and the seconds it took (one run each;
 the machine is shared: read the load). ``--check`` then runs every usable candidate
@@ -13,11 +13,17 @@ shape) and compares the bytes the busiest rank sends (comm_stats) and its memory
 (saved-tensor hooks + input shard + outputs + twice the parameters) with the plan's:
 predicted ones too (``--size 128 --ranks 64 --check``: about 10 s a candidate).
 
-``--gloo N`` plans for N ranks with a network fitted on gloo here (world 2, loopback,
-``fit_network``) and runs every usable candidate as N gloo processes (one torch thread
-each; N > 2 oversubscribes this machine's cores, so the compute there is slower than
-timed alone): the slowest rank's median step time per candidate, the plan's order
-against the measured one.
+``--gloo N`` plans for N ranks priced for the processes the candidates then run as:
+the network fitted on gloo here among N processes (loopback, ``fit_network`` at world
+N), and the compute scaled by what N one-thread processes computing at once measure
+against one alone (``compute_scale``: N > 2 oversubscribes this machine's two cores).
+It then runs every usable candidate as N gloo processes, the candidates alternating
+``--rounds`` times, and prints per candidate the predicted step (compute + exposed
+collectives + gradient sync), the slowest rank's measured step (median and quartiles
+over the steps of every round), the noise (the interquartile range of those steps or
+the spread of the rounds' medians, whichever is larger) and the collectives a step;
+then, for every pair of candidates whose predictions differ by more than the larger
+of their noises, whether the measured order agrees.
 """
 from __future__ import annotations
 
@@ -146,9 +152,9 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     # Compute as the run has it: `world` one-thread processes on the cores at once,
     # against one alone (as plan times it): the ratio is plan's compute_scale.
     shard = (1, 4, size // world, size)
-    alone = statistics.median(_compute(shard, 5))
+    alone = statistics.median(_compute(shard, 9))
     together = max(statistics.median(r) for r in spmd.launch(
-        _compute_together, (world,), ("sp",), backend="gloo", args=(shard, 5), timeout=300))
+        _compute_together, (world,), ("sp",), backend="gloo", args=(shard, 9), timeout=300))
     scale = alone / together
     print(f"compute of f32{list(shard)}, forward and backward, one thread: {alone * 1e3:.1f} "
           f"ms alone, {together * 1e3:.1f} ms with {world} processes at once (slowest "
@@ -208,7 +214,10 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
             print(f"{names}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms "
                   f"(noise {nz * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
                   f"{'' if abs(dm) > nz else ' (the measured difference is within the noise)'}")
-    print(f"\nverdict: {agree} of {compared} pairs whose predictions differ by more than the "
+    name = lambda c: f"{'x'.join(map(str, c.mesh_shape))} {c.spec}"  # noqa: E731
+    print(f"\nplan's order:     {', '.join(name(c) for c in cands)}")
+    print(f"measured order:   {', '.join(name(cands[i]) for i in sorted(meas, key=meas.get))}")
+    print(f"verdict: {agree} of {compared} pairs whose predictions differ by more than the "
           f"noise are measured in the predicted order")
 
 
