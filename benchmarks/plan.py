@@ -4,7 +4,7 @@ most 3 ranks per axis at its local shape and predicted (``measure_ranks``, defau
 and for 8 ranks, every candidate run at its own shape.
 
     python benchmarks/plan.py [--size 512] [--ranks 64,8] [--repeats 3] [--warmup 1]
-                              [--check] [--gloo 4 --steps 10]
+                              [--check] [--gloo 4 --steps 10 --rounds 2]
 
 Prints the load average, each plan's table and the seconds it took (one run each;
 the machine is shared: read the load). ``--check`` then runs every usable candidate
@@ -13,11 +13,17 @@ shape) and compares the bytes the busiest rank sends (comm_stats) and its memory
 (saved-tensor hooks + input shard + outputs + twice the parameters) with the plan's:
 predicted ones too (``--size 128 --ranks 64 --check``: about 10 s a candidate).
 
-``--gloo N`` plans for N ranks with a network fitted on gloo here (world 2, loopback,
-``fit_network``) and runs every usable candidate as N gloo processes (one torch thread
-each; N > 2 oversubscribes this machine's cores, so the compute there is slower than
-timed alone): the slowest rank's median step time per candidate, the plan's order
-against the measured one.
+``--gloo N`` plans for N ranks priced for the processes the candidates then run as:
+the network fitted on gloo here among N processes (loopback, ``fit_network`` at world
+N), and the compute scaled by what N one-thread processes computing at once measure
+against one alone (``compute_scale``: N > 2 oversubscribes this machine's two cores).
+It then runs every usable candidate as N gloo processes, the candidates alternating
+``--rounds`` times, and prints per candidate the predicted step (compute + exposed
+collectives + gradient sync), the slowest rank's measured step (median and quartiles
+over the steps of every round), the noise (the interquartile range of those steps or
+the spread of the rounds' medians, whichever is larger) and the collectives a step;
+then, for every pair of candidates whose predictions differ by more than the larger
+of their noises, whether the measured order agrees.
 """
 from __future__ import annotations
 
@@ -81,7 +87,30 @@ def run(model: nn.Module, c, x: torch.Tensor) -> tuple[int, int]:
 def _fit(mesh):
     torch.set_num_threads(1)
     return spmd.perf.fit_network(sizes=(64, 1 << 14, 1 << 18, 1 << 20), repeats=15, warmup=3,
-                                 name="gloo loopback (fitted)")
+                                 name=f"gloo loopback world {mesh.size} (fitted)")
+
+
+def _compute(shape: tuple[int, ...], repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` forward and backward passes of the plain U-Net at
+    ``shape`` with one torch thread (after one warm-up)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, x = UNet(), torch.randn(shape)
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        model(x).sum().backward()
+        if i:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def _compute_together(mesh, shape: tuple[int, ...], repeats: int) -> list[float]:
+    """``_compute`` on every process of the world at once (started by a barrier): what
+    compute costs when the run's processes share this machine's cores."""
+    import torch.distributed as dist
+    dist.barrier()
+    return _compute(shape, repeats)
 
 
 def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
@@ -98,29 +127,98 @@ def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
         (f(x) * w).sum().backward()
         if i >= 2:
             out.append(time.perf_counter() - t0)
-    return out
+    with spmd.comm_stats() as st:  # one more step, untimed: its collectives
+        (f(x) * w).sum().backward()
+    return out, len(st.records)
 
 
-def gloo(world: int, size: int, steps: int, repeats: int, warmup: int) -> None:
-    net = spmd.launch(_fit, (2,), ("sp",), backend="gloo", timeout=600)[0]
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: int) -> None:
+    """Plan for ``world`` ranks priced for this machine, run every candidate as gloo
+    processes, and compare the orders where the predictions differ by more than the
+    measured noise."""
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average "
+          f"{os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; input [1, 4, {size}, {size}]; "
+          f"world {world}")
+    # The network the candidates run on: gloo over loopback among `world` processes on
+    # this machine (with more processes than cores a collective also waits for its
+    # peers to be scheduled, which a fit at a smaller world does not see).
+    net = spmd.launch(_fit, (world,), ("sp",), backend="gloo", timeout=300)[0]
     print(f"network: {net!r}")
+    # Compute as the run has it: `world` one-thread processes on the cores at once,
+    # against one alone (as plan times it): the ratio is plan's compute_scale.
+    shard = (1, 4, size // world, size)
+    alone = statistics.median(_compute(shard, 9))
+    together = max(statistics.median(r) for r in spmd.launch(
+        _compute_together, (world,), ("sp",), backend="gloo", args=(shard, 9), timeout=300))
+    scale = alone / together
+    print(f"compute of f32{list(shard)}, forward and backward, one thread: {alone * 1e3:.1f} "
+          f"ms alone, {together * 1e3:.1f} ms with {world} processes at once (slowest "
+          f"median): compute_scale {scale:.3f}")
     torch.manual_seed(0)
     model, x = UNet(), torch.randn(1, 4, size, size)
-    plan = spmd.plan(model, x, ranks=world, network=net, repeats=repeats, warmup=warmup)
+    plan = spmd.plan(model, x, ranks=world, network=net, compute_scale=scale,
+                     repeats=repeats, warmup=warmup)
     print(plan)
-    print("\n| candidate | planned step ms | gloo step ms (median, slowest rank) | "
-          "load average |\n|---|---:|---:|---:|")
-    measured = {}
-    for c in plan.ranked:
-        res = spmd.launch(_gloo_steps, c.mesh_shape, c.axis_names, backend="gloo",
-                          args=(c.spec, size, steps), timeout=600)
-        step = statistics.median(max(r[i] for r in res) for i in range(steps))
-        measured[c.mesh_shape, c.spec] = step
-        print(f"| {'x'.join(map(str, c.mesh_shape))} {c.spec} | {c.step_s * 1e3:.1f} | "
-              f"{step * 1e3:.1f} | {os.getloadavg()[0]:.2f} |", flush=True)
-    order = sorted(measured, key=measured.get)
-    print(f"\nplan's order:   {[(c.mesh_shape, str(c.spec)) for c in plan.ranked]}")
-    print(f"measured order: {[(m, str(s)) for m, s in order]}")
+    # Candidates alternate, `rounds` times (a launch each): a drift in the load shows as
+    # a difference between rounds, which counts in the noise.
+    cands = plan.ranked
+    per_step: dict[int, list[float]] = {i: [] for i in range(len(cands))}
+    per_round: dict[int, list[float]] = {i: [] for i in range(len(cands))}
+    calls: dict[int, int] = {}
+    for _ in range(rounds):
+        for i, c in enumerate(cands):
+            res = spmd.launch(_gloo_steps, c.mesh_shape, c.axis_names, backend="gloo",
+                              args=(c.spec, size, steps), timeout=300)
+            slowest = [max(r[0][k] for r in res) for k in range(steps)]
+            calls[i] = max(r[1] for r in res)
+            per_step[i] += slowest
+            per_round[i].append(statistics.median(slowest))
+    print(f"\nload average after the runs {os.getloadavg()[0]:.2f}\n")
+    print("| candidate | predicted ms (compute + comm + grad sync) | measured ms, median "
+          "[q1, q3] | noise ms | collectives a step (busiest rank) | (measured - predicted "
+          "compute) / collectives, ms |\n|---|---:|---:|---:|---:|---:|")
+    meas, noise = {}, {}
+    for i, c in enumerate(cands):
+        q1, med, q3 = _quartiles(per_step[i])
+        rs = per_round[i]
+        # the noise: the spread of the steps (interquartile range) or of the rounds'
+        # medians, whichever is larger
+        noise[i] = max(q3 - q1, max(rs) - min(rs))
+        meas[i] = med
+        p = c.prediction
+        print(f"| {'x'.join(map(str, c.mesh_shape))} {c.spec} | {c.step_s * 1e3:.1f} "
+              f"({(p.forward_s + p.backward_s) * 1e3:.1f} + {p.comm_s * 1e3:.1f} + "
+              f"{p.grad_sync_s * 1e3:.1f}) | {med * 1e3:.1f} [{q1 * 1e3:.1f}, {q3 * 1e3:.1f}] "
+              f"| {noise[i] * 1e3:.1f} | {calls[i]} | "
+              f"{(med - p.forward_s - p.backward_s) / max(calls[i], 1) * 1e3:.2f} |")
+    print()
+    ranked = compared = agree = 0
+    for i in range(len(cands)):
+        for j in range(i + 1, len(cands)):
+            a, b = cands[i], cands[j]
+            names = (f"{'x'.join(map(str, a.mesh_shape))} {a.spec} vs "
+                     f"{'x'.join(map(str, b.mesh_shape))} {b.spec}")
+            dp, dm, nz = b.step_s - a.step_s, meas[j] - meas[i], max(noise[i], noise[j])
+            if abs(dp) <= nz:
+                print(f"{names}: predictions {dp * 1e3:+.1f} ms apart, within the noise "
+                      f"({nz * 1e3:.1f} ms): not ranked")
+                continue
+            compared += 1
+            ok = (dp > 0) == (dm > 0)
+            agree += ok
+            print(f"{names}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms "
+                  f"(noise {nz * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
+                  f"{'' if abs(dm) > nz else ' (the measured difference is within the noise)'}")
+    name = lambda c: f"{'x'.join(map(str, c.mesh_shape))} {c.spec}"  # noqa: E731
+    print(f"\nplan's order:     {', '.join(name(c) for c in cands)}")
+    print(f"measured order:   {', '.join(name(cands[i]) for i in sorted(meas, key=meas.get))}")
+    print(f"verdict: {agree} of {compared} pairs whose predictions differ by more than the "
+          f"noise are measured in the predicted order")
 
 
 def main() -> None:
@@ -132,10 +230,11 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--gloo", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.gloo:
-        return gloo(a.gloo, a.size, a.steps, a.repeats, a.warmup)
+        return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup)
     torch.manual_seed(0)
     model, x = UNet(), torch.randn(1, 4, a.size, a.size)
     print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")
