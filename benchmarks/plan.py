@@ -33,31 +33,13 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import spmd
+from spmd.demo import UNet
 from spmd.testing.memory import SavedBytes
 
 
-class UNet(nn.Module):
-    def __init__(self, c: int = 4, w: int = 8, levels: int = 3):
-        super().__init__()
-        self.inc = nn.Conv2d(c, w, 3, padding=1)
-        self.down = nn.ModuleList(nn.Conv2d(w, w, 3, padding=1) for _ in range(levels))
-        self.up = nn.ModuleList(nn.Conv2d(2 * w, w, 3, padding=1) for _ in range(levels))
-        self.out = nn.Conv2d(w, 1, 1)
-
-    def forward(self, x):
-        h = torch.relu(self.inc(x))
-        skips = []
-        for conv in self.down:
-            skips.append(h)
-            h = torch.relu(conv(F.max_pool2d(h, 2)))
-        for conv, s in zip(self.up, reversed(skips)):
-            h = F.interpolate(h, scale_factor=2, mode="nearest")
-            h = torch.relu(conv(torch.cat([h, s], 1)))
-        return self.out(h)
 
 
 def run(model: nn.Module, c, x: torch.Tensor) -> tuple[int, int]:
@@ -95,7 +77,7 @@ def _compute(shape: tuple[int, ...], repeats: int) -> list[float]:
     ``shape`` with one torch thread (after one warm-up)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, x = UNet(), torch.randn(shape)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(shape)
     out = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
@@ -118,7 +100,7 @@ def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
     gradient all-reduce shard_map does on processes) of this rank."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, x = UNet(), torch.randn(1, 4, size, size)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, size, size)
     f = spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, spec)
     w = torch.randn(x.shape[0], 1, size, size, generator=torch.Generator().manual_seed(1))
     out = []
@@ -160,7 +142,7 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
           f"ms alone, {together * 1e3:.1f} ms with {world} processes at once (slowest "
           f"median): compute_scale {scale:.3f}")
     torch.manual_seed(0)
-    model, x = UNet(), torch.randn(1, 4, size, size)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, size, size)
     plan = spmd.plan(model, x, ranks=world, network=net, compute_scale=scale,
                      repeats=repeats, warmup=warmup)
     print(plan)
@@ -197,7 +179,7 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
               f"| {noise[i] * 1e3:.1f} | {calls[i]} | "
               f"{(med - p.forward_s - p.backward_s) / max(calls[i], 1) * 1e3:.2f} |")
     print()
-    ranked = compared = agree = 0
+    compared = agree = 0
     for i in range(len(cands)):
         for j in range(i + 1, len(cands)):
             a, b = cands[i], cands[j]
@@ -236,7 +218,7 @@ def main() -> None:
     if a.gloo:
         return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup)
     torch.manual_seed(0)
-    model, x = UNet(), torch.randn(1, 4, a.size, a.size)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, a.size, a.size)
     print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")
     for ranks in (int(r) for r in a.ranks.split(",")):
         t0 = time.perf_counter()

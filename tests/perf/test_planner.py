@@ -17,6 +17,7 @@ from torch import nn
 
 import spmd
 from spmd import P
+from spmd.demo import UNet
 from spmd.perf import NETWORKS
 from spmd.perf import _measure
 from spmd.perf.planner import Candidate, Plan, factorizations
@@ -26,26 +27,6 @@ IB = NETWORKS["ib_ndr"]
 FAST = dict(repeats=1, warmup=0)
 
 
-class UNet(nn.Module):
-    """Two levels: conv, max-pool, conv, nearest upsample, skip concatenated on channels."""
-
-    def __init__(self, c: int = 2, w: int = 4, levels: int = 2):
-        super().__init__()
-        self.inc = nn.Conv2d(c, w, 3, padding=1)
-        self.down = nn.ModuleList(nn.Conv2d(w, w, 3, padding=1) for _ in range(levels))
-        self.up = nn.ModuleList(nn.Conv2d(2 * w, w, 3, padding=1) for _ in range(levels))
-        self.out = nn.Conv2d(w, 1, 1)
-
-    def forward(self, x):
-        h = torch.relu(self.inc(x))
-        skips = []
-        for conv in self.down:
-            skips.append(h)
-            h = torch.relu(conv(F.max_pool2d(h, 2)))
-        for conv, s in zip(self.up, reversed(skips)):
-            h = F.interpolate(h, scale_factor=2, mode="nearest")
-            h = torch.relu(conv(torch.cat([h, s], 1)))
-        return self.out(h)
 
 
 class FNO(nn.Module):
@@ -81,7 +62,7 @@ class ViT(nn.Module):
 def _case(name: str):
     torch.manual_seed(0)
     if name == "unet":
-        return UNet(), torch.randn(1, 2, 16, 16)
+        return UNet(c=2, w=4, levels=2), torch.randn(1, 2, 16, 16)
     if name == "fno":
         return FNO(), torch.randn(1, 2, 16, 16)
     return ViT(), torch.randn(1, 2, 32, 32)
