@@ -38,7 +38,7 @@ try:
     _any_autocast = getattr(_C, "_is_any_autocast_enabled", lambda: True)
 except AttributeError as e:  # pragma: no cover - a torch this module was not written for
     raise ImportError(f"spmd's simulated mesh needs torch's mode-stack internals ({e}); "
-                      f"use Mesh(..., ranks='threads') or a torch >= 2.5") from None
+                      f"use Mesh(..., schedule='threads') or a torch >= 2.5") from None
 
 # The number the next autograd node made on this thread gets (torch has no public API;
 # without it, spmd makes a node and reads its number, ~6 us).

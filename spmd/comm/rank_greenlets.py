@@ -76,24 +76,21 @@ def run_ranks(mesh: Mesh, ranks: Sequence[int], fn: Callable[[int], Any]) -> lis
     """``fn(rank)`` for ``ranks`` of a threads mesh as greenlets (no lock taken, no
     per-rank generators): the backward of a mesh-wide autograd node, inside a backward
     that holds the mesh (``shard_map``'s). Results in the order of ``ranks``."""
-    run = _Run(mesh, fn, comm_of(mesh), ranks, None)
-    grad = torch.is_grad_enabled()  # off in a backward, unless it makes a graph
-    if not grad:
-        run.states = {r: fresh(False) for r in run.ranks}
-    return run.run()
+    # grad mode: off in a backward, unless it makes a graph
+    return _Run(mesh, fn, comm_of(mesh), ranks, None, torch.is_grad_enabled()).run()
 
 
 class _Run:
     """One per-rank program run: the greenlets, their torch states, and the waits."""
 
     def __init__(self, mesh: Mesh, fn: Callable[[int], Any], comm: Any,
-                 ranks: Sequence[int], seed: int | None):
+                 ranks: Sequence[int], seed: int | None, grad: bool = True):
         self.mesh, self.fn, self.comm = mesh, fn, comm
         self.ranks = list(ranks)
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
         self.per_rank_rng = seed is not None
-        self.states = {r: fresh(seed=None if seed is None else rank_seed(seed, r))
+        self.states = {r: fresh(grad, None if seed is None else rank_seed(seed, r))
                        for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()

@@ -13,7 +13,7 @@ def keep_graph() -> bool:
     to the end of the backward cost 16% of the demo CNN's peak memory).
 
     torch answers only through private calls, the ones AOTAutograd uses for the same
-    questions (as mapping/_graph.py does for node numbers); where one is missing, the graphs are
+    questions (as comm/_torch_state.py does for node numbers); where one is missing, the graphs are
     kept: exact, with more memory."""
     ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
     return True if ask is None else bool(ask())

@@ -8,10 +8,6 @@ import torch
 from ..comm._torch_state import next_sequence_nr as _peek
 
 
-
-
-
-
 def _graph_leaves(roots: list[torch.Tensor], exclude: set[int], found: dict[int, torch.Tensor],
                   seq0: int | None = None) -> bool:
     """Leaves needing grad reached from ``roots``' graphs, excluding ``exclude`` ids, go

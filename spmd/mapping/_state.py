@@ -144,16 +144,15 @@ class _State:
             mine = {id(t) for ins in self.local_ins for t in ins}
             mine |= {id(a) for anchors in self.anchors for a in anchors}  # not parameters
             found: dict[int, torch.Tensor] = {}
+            # One walk over every rank's graph (on rank greenlets custom_vjp calls are
+            # nodes over all ranks, so each rank's graph reaches the others'). There the
+            # ranks number their nodes on one thread, so the walk also answers
+            # _reaches_older_nodes; rank threads number theirs apart.
+            older = _graph_leaves([t for outs in self.local_outs for t in outs
+                                   if isinstance(t, torch.Tensor)], mine, found,
+                                  self.seq0 if self.green else None)
             if self.green:
-                # One walk over every rank's graph: custom_vjp calls are nodes over all
-                # ranks, so one rank's graph reaches the others'. The ranks number their
-                # nodes on one thread, so the walk also answers _reaches_older_nodes.
-                self.older = _graph_leaves([t for outs in self.local_outs for t in outs
-                                            if isinstance(t, torch.Tensor)], mine, found,
-                                           self.seq0)
-            else:
-                for outs in self.local_outs:
-                    _graph_leaves([t for t in outs if isinstance(t, torch.Tensor)], mine, found)
+                self.older = older
             self.params = list(found.values())
         self.shared = [False] * (len(self.diff) + len(self.params))
         if self.per_rank and self.mesh.backend == "threads":
