@@ -178,3 +178,20 @@ def test_a_draw_inside_a_checkpointed_function_is_refused():
     (g,) = torch.autograd.grad(y.sum(), x)
     keep = (y != 0).double()
     torch.testing.assert_close(g, 2 * keep * x * 4, rtol=1e-12, atol=1e-12)  # (2x)^2 -> 8x
+
+
+@pytest.mark.parametrize("schedule", ["greenlets", "threads"])
+def test_every_rank_starts_from_the_callers_draws_whichever_finishes_first(schedule):
+    """A body with no collective: rank 0 may finish (and hand its count back to the
+    caller's stream) before another rank starts; that rank still starts from the
+    caller's draws, so every rank draws what one device draws, and the caller's stream
+    counts the draw once."""
+    mesh = spmd.Mesh((3,), ("sp",), schedule=schedule)
+    f = spmd.shard_map(lambda x: x + torch.rand(4, dtype=torch.float64), mesh,
+                       spmd.P(), spmd.P(), check_rep=True)
+    with spmd.random.invariant(5) as stream:
+        got = f(torch.zeros(4, dtype=torch.float64))
+        assert stream.draws == 1
+    with spmd.random.invariant(5):
+        want = torch.rand(4, dtype=torch.float64)
+    assert torch.equal(got, want)

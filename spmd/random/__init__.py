@@ -88,26 +88,29 @@ def paused() -> Iterator[None]:
         _local.paused = prev
 
 
-def fork() -> Stream | None:
-    """The stream active on this thread, for the rank threads a per-rank program starts
-    from it (``spmd.comm.rank_threads``)."""
-    return active()
+def fork() -> tuple[Stream, int] | None:
+    """The stream active on this thread and its draws so far, for the rank threads a
+    per-rank program starts from it (``spmd.comm.rank_threads``)."""
+    s = active()
+    return None if s is None else (s, s.draws)
 
 
 @contextlib.contextmanager
-def on_rank_thread(parent: Stream | None, rank: int) -> Iterator[None]:
-    """On a rank thread: a copy of the caller's stream (same seed, same draws so far), so
-    that ``with invariant(seed): shard_map(...)(x)`` draws on every rank as the body
-    would on one; rank 0's count goes back to the caller's stream."""
+def on_rank_thread(parent: tuple[Stream, int] | None, rank: int) -> Iterator[None]:
+    """On a rank thread: a copy of the caller's stream as ``fork`` found it (same seed,
+    same draws so far), so that ``with invariant(seed): shard_map(...)(x)`` draws on
+    every rank as the body would on one, whichever rank starts first; rank 0's count
+    goes back to the caller's stream."""
     if parent is None:
         yield
         return
-    with Invariant(parent.seed, parent.draws) as copy:
+    stream, draws = parent
+    with Invariant(stream.seed, draws) as copy:
         try:
             yield
         finally:
             if rank == 0:
-                parent.draws = copy.draws
+                stream.draws = copy.draws
 
 
 class Invariant:
