@@ -26,7 +26,7 @@ from ..comm.threads import in_rank_greenlet
 from ..core._engine import keep_graph
 from ..core.errors import SpecError
 
-__all__ = ["mesh_call"]
+__all__ = ["mesh_call", "refuse_body_backward"]
 
 
 def mesh_call(rule: Any, run: Any, args: tuple, stash: Any) -> Any:
@@ -135,16 +135,7 @@ class _MeshVJP(torch.autograd.Function):
     def backward(ctx, *grads):
         from ..comm.rank_greenlets import run_ranks
 
-        if in_rank_greenlet():
-            # The engine runs on one rank greenlet, inside a body: a per-rank backward,
-            # whose collectives would need the other ranks inside torch's engine at the
-            # same time, which torch keeps per OS thread.
-            raise SpecError(
-                "a backward taken inside a shard_map body (torch.autograd.grad, "
-                ".backward() or torch.func on a rank) through spmd collectives needs a "
-                "thread per rank: run this shard_map on Mesh(..., schedule='threads'); "
-                "on rank greenlets a body's collectives are one autograd node over all "
-                "ranks, differentiated by the backward of the whole call")
+        refuse_body_backward()
         info = ctx.info
         if info is None:
             raise RuntimeError("Trying to backward through the graph a second time (or "
@@ -171,6 +162,20 @@ class _MeshVJP(torch.autograd.Function):
         got = dict(zip(info.ranks, run_ranks(info.mesh, info.ranks,
                                              lambda r: _bwd(info, r, per[r]))))
         return (None, *_flat(info, got))
+
+
+def refuse_body_backward() -> None:
+    """A node over every rank cannot be differentiated by one rank's backward."""
+    if in_rank_greenlet():
+        # The engine runs on one rank greenlet, inside a body: a per-rank backward,
+        # whose collectives would need the other ranks inside torch's engine at the
+        # same time, which torch keeps per OS thread.
+        raise SpecError(
+            "a backward taken inside a shard_map body (torch.autograd.grad, "
+            ".backward() or torch.func on a rank) through spmd collectives needs a "
+            "thread per rank: run this shard_map on Mesh(..., schedule='threads'); "
+            "on rank greenlets a body's collectives are one autograd node over all "
+            "ranks, differentiated by the backward of the whole call")
 
 
 def _bwd(info: _Info, r: int, g: Any) -> tuple:

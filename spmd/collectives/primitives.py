@@ -33,6 +33,7 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
+from .mesh_psum import node_psum, wants_node
 from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -105,10 +106,18 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     return _psum(anchor(_counts(x)), axes, rc, "psum")
 
 
-@custom_vjp
-def _psum(x, axes, rc, name):
+def _psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
+          ) -> torch.Tensor:
     """psum's core; ``name`` is what communication accounting records (transforms built
-    on it, such as ``reduce``, record their own)."""
+    on it, such as ``reduce``, record their own). On rank greenlets, one autograd node
+    over the group made in the sum's own rendezvous (``mesh_psum``)."""
+    if wants_node(x):
+        return node_psum(x, axes, rc, name)
+    return _psum_rule(x, axes, rc, name)
+
+
+@custom_vjp
+def _psum_rule(x, axes, rc, name):
     return comm_of(rc.mesh).all_reduce(x, "sum", rc.mesh.group(axes, rc.rank), name=name)
 
 
@@ -118,7 +127,8 @@ def _psum_bwd(res, g):
         return _psum(anchor(g), axes, rc, name), None, None, None
 
 
-_psum.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)), _psum_bwd)
+_psum_rule.defvjp(lambda x, axes, rc, name: (_psum(x, axes, rc, name), (axes, rc, name)),
+                  _psum_bwd)
 
 
 @graph_op(_mean_meta)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 __all__ = ["RankState", "fresh", "take", "put", "guards", "inside_guard", "saved_tensor_hooks",
-           "next_sequence_nr"]
+           "next_sequence_nr", "functorch_active"]
 
 _C = torch._C
 _auto = torch._C._autograd
@@ -162,6 +162,11 @@ def inside_guard(baseline: tuple) -> str | None:
         return "code that runs below autograd or with dispatch keys changed (a function " \
                "compiled with torch.compile, a custom op's kernel)"
     return None
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (grad, vmap, ...) is active on the calling thread."""
+    return _functorch()
 
 
 def saved_tensor_hooks() -> tuple | None:

@@ -32,17 +32,38 @@ __all__ = ["ThreadComm"]
 
 
 class _Slot:
-    __slots__ = ("op", "data", "arrived", "reads", "error", "cond", "result", "done")
+    __slots__ = ("op", "data", "arrived", "reads", "error", "cond", "result", "done", "nodes")
 
-    def __init__(self, n: int, op: str, lock: threading.Lock):
+    def __init__(self, n: int, op: str, lock: threading.Lock | None):
         self.op = op
         self.data: list[Any] = [None] * n
         self.arrived = [False] * n
         self.reads = 0
         self.error: BaseException | None = None
-        self.cond = threading.Condition(lock)
+        # rank greenlets wait in the scheduler, never on a condition
+        self.cond = None if lock is None else threading.Condition(lock)
         self.result: Any = None
         self.done = False
+        self.nodes: dict[int, Callable] | None = None  # member index -> node builder
+
+    def notify(self) -> None:
+        if self.cond is not None:
+            self.cond.notify_all()
+
+
+class Outputs:
+    """Every member's result of one collective, made once by the last to arrive (the
+    outputs of a mesh-wide autograd node, ``exchange(node=...)``): a member that asked
+    for the node gets its output, any other a private copy of ``total``."""
+
+    __slots__ = ("total", "mine")
+
+    def __init__(self, total: torch.Tensor, mine: dict[int, torch.Tensor]):
+        self.total, self.mine = total, mine
+
+    def take(self, index: int, device: torch.device) -> torch.Tensor:
+        t = self.mine.get(index)
+        return _copy(self.total, device) if t is None else t
 
 
 # Which run of which comm the calling rank thread belongs to (set by rank_threads), and
@@ -96,7 +117,7 @@ class ThreadComm:
                 if not slot.done and slot.error is None:
                     slot.error = CommAborted(f"{slot.op}: cancelled, its per-rank program "
                                              f"on {self.mesh!r} was abandoned")
-                slot.cond.notify_all()
+                slot.notify()
             self._slots.clear()
             self._seq.clear()
             self._aborted, self._aborted_rank = None, None
@@ -115,18 +136,24 @@ class ThreadComm:
     # -- the rendezvous -------------------------------------------------------------
 
     def exchange(self, group: Group, op: str, payload: Any, *, name: str,
-                 combine: Callable[[list[Any]], Any] | None = None) -> Any:
+                 combine: Callable[[list[Any]], Any] | None = None,
+                 node: Callable | None = None) -> Any:
         """Deposit ``payload``; return ``combine(payloads)`` (default: the list of every
         member's payload, in group order).
 
         ``combine`` runs once, on the last rank to arrive, outside the lock; what it
-        raises is raised on every member.
+        raises is raised on every member. ``node`` (rank greenlets only): this member
+        asks for one autograd node over the members that ask; the last to arrive calls
+        ``node(payloads, combined, asking member indices)``, and every member gets what
+        it returns (an ``Outputs``) instead of the combined value.
         """
         self._stale(name, group)
         if group.size == 1:
             self._next_seq(group)
-            return combine([payload]) if combine is not None else [payload]
-        return self._collect(group, self._arrive(group, op, payload, name, combine), name)
+            got = combine([payload]) if combine is not None else [payload]
+            return got if node is None else node([payload], got, [0])
+        return self._collect(group, self._arrive(group, op, payload, name, combine, node),
+                             name)
 
     def _next_seq(self, group: Group) -> int:
         sk = ((group.axes, group.ranks, group.channel), group.rank)
@@ -135,7 +162,8 @@ class ThreadComm:
         return seq
 
     def _arrive(self, group: Group, op: str, payload: Any, name: str,
-                combine: Callable[[list[Any]], Any] | None) -> tuple[tuple, _Slot]:
+                combine: Callable[[list[Any]], Any] | None,
+                node: Callable | None = None) -> tuple[tuple, _Slot]:
         """Deposit this member's payload without waiting (the first half of exchange)."""
         key = (group.axes, group.ranks, group.channel)
         seq = self._next_seq(group)
@@ -145,26 +173,34 @@ class ThreadComm:
                 raise self._cancelled(name, group)
             slot = self._slots.get((key, seq))
             if slot is None:
-                slot = self._slots[(key, seq)] = _Slot(n, op, self._lock)
+                slot = self._slots[(key, seq)] = _Slot(
+                    n, op, None if _tls.get("green") is not None else self._lock)
             elif slot.op != op and slot.error is None:
                 first = next(group.ranks[i] for i, a in enumerate(slot.arrived) if a)
                 slot.error = CommError(
                     f"{name}: collective mismatch over {_axes(group)}: rank {group.rank} "
                     f"called {op} while rank {first} called {slot.op} (call #{seq} on this "
                     f"group); every rank must run the same collectives in the same order")
-                slot.cond.notify_all()
+                slot.notify()
             slot.data[group.index] = payload
             slot.arrived[group.index] = True
+            if node is not None:
+                if slot.nodes is None:
+                    slot.nodes = {}
+                slot.nodes[group.index] = node
             last = all(slot.arrived) and slot.error is None
         if last:
             try:
                 result = combine(slot.data) if combine is not None else slot.data
+                if slot.nodes:
+                    result = next(iter(slot.nodes.values()))(slot.data, result,
+                                                             sorted(slot.nodes))
             except Exception as e:  # noqa: BLE001 - raised on every member below
                 slot.error = e
                 result = None
             with self._lock:
                 slot.result, slot.done = result, True
-                slot.cond.notify_all()
+                slot.notify()
         return (key, seq), slot
 
     def _collect(self, group: Group, arrival: tuple[tuple, _Slot], name: str) -> Any:
@@ -177,6 +213,8 @@ class ThreadComm:
                 green.block(group.rank, group, slot, name)
         with self._lock:
             if not slot.done and slot.error is None and green is None:
+                if slot.cond is None:  # made by a rank greenlet (never both in one run)
+                    slot.cond = threading.Condition(self._lock)
                 deadline = time.monotonic() + self.mesh.timeout
                 while not (slot.done or slot.error or self._aborted):
                     left = deadline - time.monotonic()
@@ -216,7 +254,7 @@ class ThreadComm:
             if self._aborted is None:
                 self._aborted, self._aborted_rank = exc, rank
             for slot in self._slots.values():
-                slot.cond.notify_all()
+                slot.notify()
 
     def leave(self, rank: int, step: int, exc: BaseException) -> None:
         """Rank ``rank`` stops (a converted model's run left its plan at ``step``): the
@@ -229,12 +267,16 @@ class ThreadComm:
     # Validation and reductions run once per collective (in ``combine``); each rank
     # then takes a private copy, so no result aliases another rank's tensors.
 
-    def all_reduce(self, x, op, group, *, name):
+    def all_reduce(self, x, op, group, *, name, node=None):
+        # node: see exchange (a sum that is one autograd node over the group's greenlets)
         count("all_reduce", name, group, x=x)
         def combine(xs):
             _same_meta(xs, group, name)
             return _reduce(xs, op)
-        return _copy(self.exchange(group, f"all_reduce({op})", x, name=name, combine=combine), x.device)
+        got = self.exchange(group, f"all_reduce({op})", x, name=name, combine=combine,
+                            node=node)
+        return got.take(group.index, x.device) if isinstance(got, Outputs) else \
+            _copy(got, x.device)
 
     def all_reduce_async(self, x, op, group, *, name):
         # Deposits and returns: only wait() blocks. The sum is computed once, in rank

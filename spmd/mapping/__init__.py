@@ -26,6 +26,7 @@ import torch
 from ..collectives._anchor import anchor_stack
 from ..collectives.compiled import prepare
 from ..comm import comm_of, validating
+from ..comm._torch_state import functorch_active as _functorch
 from ..comm.rank_threads import run_on_threads
 from ..core import _tree
 from ..core._context import (
@@ -279,7 +280,6 @@ class _ShardMap:
         copies = {(i, r): _shard_of(detached[i], layouts[i], r).detach().clone()
                   for i, r in sig.copies if not per_rank or r == mine[0]} if sig.copies else None
 
-        check = validating(self.mesh)
         if per_rank and self.mesh.backend == "torch" and comm_of(self.mesh).checks:
             needs = [(x.requires_grad if isinstance(x, torch.Tensor) else
                       isinstance(x, Sharded) and x.shards[self.mesh.rank].requires_grad)
@@ -287,7 +287,7 @@ class _ShardMap:
             _check_call_agrees(self.mesh, self.in_specs, self.out_specs, grad_on, needs,
                                lambda: [_tree.keystr("args", p) for p in optree.tree_paths(
                                    args, none_is_leaf=True, namespace="spmd")])
-        if check and per_rank and self.mesh.backend == "torch":
+        if per_rank and self.mesh.backend == "torch" and validating(self.mesh):
             self._check_same_globals(leaves, args)
 
         seq0: dict[int, int | None] = {}
@@ -452,6 +452,8 @@ def _refuse_functorch() -> None:
     """torch.func's transforms follow tensors on the calling thread: under them the rank
     threads saw unwrapped tensors (grad and vmap failed deep inside functorch, and jvp
     returned a zero tangent, silently). A tensor refuses requires_grad_ exactly there."""
+    if not _functorch():  # the common case, in one call
+        return
     try:
         torch.empty(0).requires_grad_()
     except RuntimeError as e:

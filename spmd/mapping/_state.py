@@ -233,9 +233,10 @@ class _State:
                 grads = self._sum_over_mesh(grads)
         return grads[:n_in] + sgrads + grads[n_in:]
 
-    def _roots(self, pos: int, rank: int, gouts, local_outs: list[list]
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Rank ``rank``'s outputs that need a gradient and their cotangents."""
+    def _roots(self, pos: int, rank: int, gouts, local_outs: list[list],
+               shared: dict | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Rank ``rank``'s outputs that need a gradient and their cotangents. ``shared``:
+        cotangents already cut for another rank holding the same shard (one pass)."""
         outs, cots = [], []
         for (k, p), g in zip(self.node_map, gouts):
             t = local_outs[pos][k]
@@ -244,7 +245,14 @@ class _State:
             outs.append(t)
             if p is None:  # a global output: this rank's part of its cotangent
                 lay = self.out_layouts[k]
-                g = lay.shard(g, rank) / _rep_factor(lay)
+                if shared is None:
+                    g = lay.shard(g, rank) / _rep_factor(lay)
+                else:
+                    key = (k, lay.shard_key(rank))
+                    cut = shared.get(key)
+                    if cut is None:
+                        cut = shared[key] = lay.shard(g, rank) / _rep_factor(lay)
+                    g = cut
             cots.append(g)
         return outs, cots
 
@@ -255,8 +263,9 @@ class _State:
         ``collectives/mesh_vjp.py``): per rank, its inputs' gradients; the parameters'
         (summed over the ranks by the engine) with the first."""
         outs, cots, ins, roots = [], [], [], []
+        shared: dict = {}  # a replicated output's cotangent is cut once
         for pos, rank in enumerate(self.ranks):
-            o, c = self._roots(pos, rank, gouts, local_outs)
+            o, c = self._roots(pos, rank, gouts, local_outs, shared)
             outs += o
             cots += c
             ins += self.local_ins[pos]
