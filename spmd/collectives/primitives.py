@@ -33,7 +33,7 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
-from .mesh_psum import node_psum, wants_node
+from .group_node import node_all_gather, node_psum, wants_node
 from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -110,7 +110,7 @@ def _psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
           ) -> torch.Tensor:
     """psum's core; ``name`` is what communication accounting records (transforms built
     on it, such as ``reduce``, record their own). On rank greenlets, one autograd node
-    over the group made in the sum's own rendezvous (``mesh_psum``)."""
+    over the group made in the sum's own rendezvous (``group_node``)."""
     if wants_node(x):
         return node_psum(x, axes, rc, name)
     return _psum_rule(x, axes, rc, name)
@@ -223,18 +223,37 @@ def all_gather(x: torch.Tensor, axis_name: AxisName, *, axis: int = 0, tiled: bo
     return _all_gather(anchor(x), axes, rc, axis, tiled, sizes)
 
 
+def _all_gather(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, axis: int,
+                tiled: bool, sizes: tuple[int, ...] | None) -> torch.Tensor:
+    """all_gather's core; on rank greenlets, one autograd node over the group made in
+    the gather's own rendezvous (``group_node``)."""
+    if wants_node(x):
+        return _gather(x, axes, rc, axis, tiled, sizes, True)
+    return _all_gather_rule(x, axes, rc, axis, tiled, sizes)
+
+
 @custom_vjp
-def _all_gather(x, axes, rc, axis, tiled, sizes):
+def _all_gather_rule(x, axes, rc, axis, tiled, sizes):
     return _all_gather_fwd(x, axes, rc, axis, tiled, sizes)[0]
 
 
 def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
+    parts = _gather(x, axes, rc, axis, tiled, sizes, False)
+    got = tuple(p.shape[axis] for p in parts)
+    return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
+
+
+def _gather(x, axes, rc, axis, tiled, sizes, node):
+    """Every member's ``x`` (as a list; ``node``: this rank's gathered tensor, one node
+    over the group), with the hint for untiled shards of other sizes."""
     group = rc.mesh.group(axes, rc.rank)
     if not tiled:
         sizes = (1,) * group.size  # known: no metadata exchange needed
+    xt = x if tiled else x.unsqueeze(axis)
     try:
-        parts = comm_of(rc.mesh).all_gather(x if tiled else x.unsqueeze(axis), group, axis,
-                                            name="all_gather", sizes=sizes)
+        if node:
+            return node_all_gather(xt, axes, rc, axis, sizes, "all_gather")
+        return comm_of(rc.mesh).all_gather(xt, group, axis, name="all_gather", sizes=sizes)
     except CommError as e:
         # the hint is for shards that differ in shape, not for ranks in other collectives
         if tiled or isinstance(e, (CommTimeout, CommAborted)) or "collective mismatch" in str(e):
@@ -243,8 +262,6 @@ def _all_gather_fwd(x, axes, rc, axis, tiled, sizes):
                         f"rank: if the shards differ in size along dim {axis}, pass "
                         f"tiled=True to concatenate them", op=e.op, axes=e.axes,
                         missing=e.missing) from e
-    got = tuple(p.shape[axis] for p in parts)
-    return torch.cat(parts, axis), (axes, rc, axis, tiled, got)
 
 
 def _all_gather_bwd(res, g):
@@ -255,7 +272,7 @@ def _all_gather_bwd(res, g):
     return gx, None, None, None, None, None
 
 
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
+_all_gather_rule.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
 def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int = 0,

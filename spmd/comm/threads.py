@@ -297,7 +297,8 @@ class ThreadComm:
         arrival = self._arrive(group, f"all_reduce({op})", x.detach(), name, combine)
         return _ThreadWork(self, group, name, x, arrival)
 
-    def all_gather(self, x, group, dim, *, name, sizes=None):
+    def all_gather(self, x, group, dim, *, name, sizes=None, node=None):
+        # node: see exchange (the gathered tensor is one autograd node over the group)
         count("all_gather", name, group, x=x)
         def combine(xs):
             _same_meta(xs, group, name, skip_dim=dim)
@@ -307,8 +308,11 @@ class ThreadComm:
                     raise CommError(f"{name}: expected sizes {list(sizes)} along dim {dim}, "
                                     f"got {list(got)}")
             return xs
-        return [_copy(t, x.device) for t in
-                self.exchange(group, f"all_gather(dim={dim}, sizes={sizes})", x, name=name, combine=combine)]
+        got = self.exchange(group, f"all_gather(dim={dim}, sizes={sizes})", x, name=name,
+                            combine=combine, node=node)
+        if isinstance(got, Outputs):
+            return got.take(group.index, x.device)
+        return [_copy(t, x.device) for t in got]
 
     def reduce_scatter(self, chunks, op, group, *, name):
         count("reduce_scatter", name, group, chunks=chunks)

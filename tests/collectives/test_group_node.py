@@ -1,5 +1,5 @@
-"""psum on rank greenlets as one autograd node over its group (spmd/collectives/
-mesh_psum.py): values, gradients, retained graphs and traffic
+"""psum and all_gather on rank greenlets as one autograd node over their group
+(spmd/collectives/group_node.py): values, gradients, retained graphs and traffic
 equal the thread-per-rank schedule's bit for bit; a member in no_grad, a member whose
 input needs no gradient and a per-rank backward requested after the node are each
 handled or refused on every rank."""
@@ -137,3 +137,33 @@ def test_a_member_in_no_grad_gets_a_private_copy():
         return s.reshape(1)
     got = spmd.shard_map(body, mesh, P("sp"), P("sp"))(torch.ones(6, requires_grad=True))
     assert got.tolist() == [6.0, 6.0, 106.0]
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_all_gather_equals_the_threads_schedule(tiled):
+    """all_gather over one axis of a 2-D mesh, uneven tiles (one rank holds none when
+    tiled), its cotangent depending on the position: values, gradients and traffic
+    equal rank threads' to the bit (psum_scatter's sums in the same order)."""
+    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(3))
+
+    def body(t):
+        if tiled:
+            g = spmd.all_gather(t * t, "b", axis=0, tiled=True)  # (5, 2): every row
+        else:
+            g = spmd.all_gather((t * t).sum(0), "b", axis=0)  # (3, 2): one row per rank
+        return (g * t.sum()).sin()
+    spec = P(("b",), "a")
+    a = _run("threads", body, x, spec, P("a"), twice=True)
+    b = _run("greenlets", body, x, spec, P("a"), twice=True)
+    for u, v in zip(a[:2], b[:2]):
+        assert torch.equal(u, v)
+    assert a[2] == b[2]
+    assert any(rec[0] == "psum_scatter" and rec[3] == "backward" for rec in b[2])
+
+
+def test_all_gather_of_shards_of_other_sizes_untiled_names_tiled_on_every_rank():
+    mesh = spmd.Mesh((2,), ("sp",), schedule="greenlets")
+    f = spmd.shard_map(lambda t: spmd.all_gather(t, "sp").sum().reshape(1), mesh, P("sp"),
+                       P("sp"))
+    with pytest.raises(spmd.CommError, match="pass tiled=True"):
+        f(torch.ones(3, requires_grad=True))

@@ -1,0 +1,176 @@
+"""A collective on the simulated mesh as ONE autograd node over its group, made in the
+collective's own rendezvous: ``psum`` (and every sum built on it) and ``all_gather``.
+
+On rank greenlets (``Mesh(schedule="greenlets")``) a ``custom_vjp`` call is a node over
+every rank (``mesh_vjp``): each rank runs the rule, the ranks meet a second time, and
+the node's backward runs every rank's ``bwd`` as a greenlet, whose transpose
+collective meets once more. A linear collective needs none of that: the last member to
+arrive already holds every member's input, so it computes the result once and makes
+the node there (inputs: the members' tensors that need a gradient; outputs: a private
+copy of the result for every member that asks), and the node's backward applies the
+transpose to the members' cotangents itself, with no greenlet. The results are those
+of the ``custom_vjp`` path bit for bit (the same sums in the same member order), in one
+rendezvous instead of two forward and one backward; communication accounting counts
+every member's forward and backward collective as that path does.
+
+Used where the calling rank is a greenlet whose backward is one pass (not per rank),
+grad mode is on, the input is floating or complex, and neither a torch.func transform
+nor activation checkpointing is active; elsewhere the collective is its ``custom_vjp``.
+A member that calls it in ``no_grad`` gets a plain copy, and its input is a constant
+for the others' gradients (it was computed without a graph).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..comm import comm_of
+from ..comm._torch_state import functorch_active
+from ..comm.stats import count, in_backward
+from ..comm.threads import Outputs, _copy, _reduce, _tls as _comm_tls
+from ..core._context import RankContext
+from ..core._engine import keep_graph
+from ..core.mesh import Group
+from .mesh_vjp import refuse_body_backward
+
+__all__ = ["wants_node", "node_psum", "node_all_gather"]
+
+
+def wants_node(x: torch.Tensor) -> bool:
+    """Whether this rank's collective of ``x`` is made one node over its group here."""
+    if not torch.is_grad_enabled() or not (x.is_floating_point() or x.is_complex()):
+        return False
+    run = _comm_tls.get("green")
+    if run is None or run.per_rank_backward or functorch_active():
+        return False
+    from .vjp import _checkpointing  # a checkpointed region recomputes per rank
+    return not _checkpointing()
+
+
+def node_psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
+              ) -> torch.Tensor:
+    """This rank's ``psum`` of ``x`` over ``axes``, one node with the group's other
+    members that ask for it. Transpose: the sum of the members' cotangents."""
+    mesh = rc.mesh
+    group = mesh.group(axes, rc.rank)
+
+    def build(xs: list, total: torch.Tensor, asking: list[int]) -> Outputs:
+        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+            g = _reduce(gs, "sum")
+            return [g if i == inputs[-1] else g.clone() for i in inputs]
+        return _build(_Info(mesh, axes, group, xs, asking, transpose,
+                            ("all_reduce", name, None)), xs, total)
+
+    return comm_of(mesh).all_reduce(x, "sum", group, name=name, node=build)
+
+
+def node_all_gather(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, axis: int,
+                    sizes: tuple[int, ...] | None, name: str) -> torch.Tensor:
+    """This rank's tiled ``all_gather`` of ``x`` along ``axis`` (untiled: pass
+    ``x.unsqueeze(axis)`` and one-sizes), one node with the group's other members that
+    ask for it. Transpose: member i's block of the sum of the members' cotangents
+    (``psum_scatter``)."""
+    mesh = rc.mesh
+    group = mesh.group(axes, rc.rank)
+
+    def build(xs: list, parts: list, asking: list[int]) -> Outputs:
+        dev = xs[0].device
+        total = torch.cat([p if p.device == dev else p.to(dev) for p in parts], axis)
+        got = [p.shape[axis] for p in parts]
+        starts = [sum(got[:i]) for i in range(len(got))]
+
+        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+            return [_reduce([g.narrow(axis, starts[i], got[i]) for g in gs], "sum")
+                    for i in inputs]
+        # what psum_scatter's reduce_scatter counts for each member
+        return _build(_Info(mesh, axes, group, xs, asking, transpose,
+                            ("reduce_scatter", "psum_scatter", (axis, got))), xs, total)
+
+    return comm_of(mesh).all_gather(x, group, axis, name=name, sizes=sizes, node=build)
+
+
+class _Info:
+    """One node: its group, inputs, outputs and transpose, for the backward."""
+
+    __slots__ = ("mesh", "axes", "group", "asking", "inputs", "metas", "outs", "out_meta",
+                 "transpose", "counted")
+
+    def __init__(self, mesh, axes: tuple[str, ...], group: Group, xs: list, asking: list[int],
+                 transpose: Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]],
+                 counted: tuple):
+        self.mesh, self.axes, self.group, self.asking = mesh, axes, group, asking
+        self.inputs = [i for i in asking if xs[i].requires_grad]
+        self.metas = [(t.shape, t.dtype, t.device) for t in xs]
+        self.transpose = transpose
+        self.counted = counted  # (kind, name, split) of the backward collective
+        self.outs: list[torch.Tensor] = []
+        self.out_meta: tuple = ()  # every output's (shape, dtype)
+
+
+def _build(info: _Info, xs: list, total: torch.Tensor) -> Outputs:
+    """Run once, by the last member to arrive: the asking members' outputs, one node
+    over them if any of their inputs needs a gradient."""
+    asking, n = info.asking, len(info.metas)
+    # Every output is a tensor of its own, on its member's device (one member may write
+    # to its result in place); the result itself goes to one asking member when every
+    # member asks.
+    outs = {i: (total if i == asking[-1] and len(asking) == n and
+                info.metas[i][2] == total.device else _copy(total, info.metas[i][2]))
+            for i in asking}
+    if not info.inputs:
+        return Outputs(total, outs)
+    run = _comm_tls.get("green")
+    if run is not None:
+        run.nodes += 1  # a later per-rank backward request is refused (threads.py)
+    info.outs = [outs[i] for i in asking]
+    info.out_meta = (total.shape, total.dtype)
+    with torch.enable_grad():  # the last to arrive may be a member in no_grad
+        got = _GroupNode.apply(info, *[xs[i] for i in info.inputs])
+    return Outputs(total, dict(zip(asking, got)))
+
+
+class _GroupNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, info: _Info, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.info = info
+        outs, info.outs = info.outs, []  # made by _build; the node holds no reference
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        refuse_body_backward()
+        info = ctx.info
+        if info is None:
+            raise RuntimeError("Trying to backward through the graph a second time (or "
+                               "directly access saved tensors after they have already been "
+                               "freed); specify retain_graph=True if you need to")
+        if not comm_of(info.mesh).one_pass:  # per_rank_backward refuses once nodes exist
+            raise RuntimeError("spmd: a collective's node over rank greenlets met a "
+                               "per-rank backward; please report this")
+        if torch.is_grad_enabled():  # shard_map refuses create_graph before this
+            raise RuntimeError("spmd: differentiating a collective's gradient on rank "
+                               "greenlets (create_graph=True) is not supported")
+        if not keep_graph():
+            ctx.info = None
+        group, n = info.group, len(info.metas)
+        got = dict(zip(info.asking, grads))
+        kind, name, split = info.counted
+        gs = []
+        with in_backward():
+            for i in range(n):
+                g = got.get(i)
+                if g is None:  # no cotangent, or a member that did not ask: zeros
+                    shape, dt = info.out_meta
+                    g = torch.zeros(shape, dtype=dt, device=info.metas[i][2])
+                if i in got:  # the members whose backward runs the transpose
+                    member = info.mesh.group(info.axes, group.ranks[i])
+                    if split is None:
+                        count(kind, name, member, x=g)
+                    else:
+                        count(kind, name, member, chunks=list(g.split(split[1], split[0])))
+                gs.append(g)
+        gx = [t if t.device == info.metas[i][2] else t.to(info.metas[i][2])
+              for t, i in zip(info.transpose(gs, info.inputs), info.inputs)]
+        return (None, *gx)
