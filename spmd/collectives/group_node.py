@@ -1,5 +1,6 @@
 """A collective on the simulated mesh as ONE autograd node over its group, made in the
-collective's own rendezvous: ``psum`` (and every sum built on it) and ``all_gather``.
+collective's own rendezvous: ``psum`` (and every sum built on it), ``all_gather`` and
+``ppermute``.
 
 On rank greenlets (``Mesh(schedule="greenlets")``) a ``custom_vjp`` call is a node over
 every rank (``mesh_vjp``): each rank runs the rule, the ranks meet a second time, and
@@ -34,7 +35,7 @@ from ..core._engine import keep_graph
 from ..core.mesh import Group
 from .mesh_vjp import refuse_body_backward
 
-__all__ = ["wants_node", "node_psum", "node_all_gather"]
+__all__ = ["wants_node", "node_psum", "node_all_gather", "node_ppermute"]
 
 
 def wants_node(x: torch.Tensor) -> bool:
@@ -63,6 +64,32 @@ def node_psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
                             ("all_reduce", name, None)), xs, total)
 
     return comm_of(mesh).all_reduce(x, "sum", group, name=name, node=build)
+
+
+def node_ppermute(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext,
+                  pairs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """This rank's ``ppermute`` of ``x`` (zeros where no pair sends to it), one node with
+    the group's other members that ask for it. Transpose: the cotangent of each source's
+    destination, sent back (zeros for a rank that sends nothing)."""
+    mesh = rc.mesh
+    group = mesh.group(axes, rc.rank)
+    src = {d: s for s, d in pairs}
+    dst = {s: d for s, d in pairs}
+
+    def build(xs: list, same: list, asking: list[int]) -> Outputs:
+        def received(i: int, device: torch.device) -> torch.Tensor | None:
+            return _copy(xs[src[i]], device) if i in src else None
+
+        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+            return [_copy(gs[dst[j]], gs[dst[j]].device) if j in dst else
+                    torch.zeros_like(gs[j]) for j in inputs]
+        outs = {i: received(i, xs[i].device) if i in src else torch.zeros_like(xs[i])
+                for i in asking}
+        return _node(_Info(mesh, axes, group, xs, asking, transpose,
+                           ("permute", "ppermute", tuple((d, s) for s, d in pairs))),
+                     xs, outs, (xs[0].shape, xs[0].dtype), received)
+
+    return comm_of(mesh).permute(x, group, pairs, name="ppermute", node=build)
 
 
 def node_all_gather(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, axis: int,
@@ -103,14 +130,15 @@ class _Info:
         self.inputs = [i for i in asking if xs[i].requires_grad]
         self.metas = [(t.shape, t.dtype, t.device) for t in xs]
         self.transpose = transpose
-        self.counted = counted  # (kind, name, split) of the backward collective
+        self.counted = counted  # (kind, name, chunking or pairs) of the backward collective
         self.outs: list[torch.Tensor] = []
         self.out_meta: tuple = ()  # every output's (shape, dtype)
 
 
 def _build(info: _Info, xs: list, total: torch.Tensor) -> Outputs:
-    """Run once, by the last member to arrive: the asking members' outputs, one node
-    over them if any of their inputs needs a gradient."""
+    """Run once, by the last member to arrive, for a collective whose every member gets
+    ``total``: the asking members' outputs, one node over them if any of their inputs
+    needs a gradient."""
     asking, n = info.asking, len(info.metas)
     # Every output is a tensor of its own, on its member's device (one member may write
     # to its result in place); the result itself goes to one asking member when every
@@ -118,16 +146,24 @@ def _build(info: _Info, xs: list, total: torch.Tensor) -> Outputs:
     outs = {i: (total if i == asking[-1] and len(asking) == n and
                 info.metas[i][2] == total.device else _copy(total, info.metas[i][2]))
             for i in asking}
+    return _node(info, xs, outs, (total.shape, total.dtype),
+                 lambda i, device: _copy(total, device))
+
+
+def _node(info: _Info, xs: list, outs: dict[int, torch.Tensor], out_meta: tuple,
+          rest: Callable) -> Outputs:
+    """The node over the asking members' ``outs`` (each a tensor of its own), if any of
+    their inputs needs a gradient; ``rest``: the result of a member that did not ask."""
     if not info.inputs:
-        return Outputs(total, outs)
+        return Outputs(outs, rest)
     run = _comm_tls.get("green")
     if run is not None:
         run.nodes += 1  # a later per-rank backward request is refused (threads.py)
-    info.outs = [outs[i] for i in asking]
-    info.out_meta = (total.shape, total.dtype)
+    info.outs = [outs[i] for i in info.asking]
+    info.out_meta = out_meta
     with torch.enable_grad():  # the last to arrive may be a member in no_grad
         got = _GroupNode.apply(info, *[xs[i] for i in info.inputs])
-    return Outputs(total, dict(zip(asking, got)))
+    return Outputs(dict(zip(info.asking, got)), rest)
 
 
 class _GroupNode(torch.autograd.Function):
@@ -166,10 +202,12 @@ class _GroupNode(torch.autograd.Function):
                     g = torch.zeros(shape, dtype=dt, device=info.metas[i][2])
                 if i in got:  # the members whose backward runs the transpose
                     member = info.mesh.group(info.axes, group.ranks[i])
-                    if split is None:
-                        count(kind, name, member, x=g)
-                    else:
+                    if kind == "reduce_scatter":
                         count(kind, name, member, chunks=list(g.split(split[1], split[0])))
+                    elif kind == "permute":
+                        count(kind, name, member, x=g, pairs=split)
+                    else:
+                        count(kind, name, member, x=g)
                 gs.append(g)
         gx = [t if t.device == info.metas[i][2] else t.to(info.metas[i][2])
               for t, i in zip(info.transpose(gs, info.inputs), info.inputs)]

@@ -33,7 +33,7 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
-from .group_node import node_all_gather, node_psum, wants_node
+from .group_node import node_all_gather, node_ppermute, node_psum, wants_node
 from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -364,6 +364,8 @@ def ppermute(x: torch.Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int
         if len(set(vals)) != len(vals):
             raise SpecError(f"ppermute: perm {list(pairs)} repeats {name}; a permutation sends "
                             f"from and to each index at most once")
+    if wants_node(x):  # on rank greenlets: one node over the group (group_node)
+        return node_ppermute(x, axes, rc, pairs)
     return _ppermute(anchor(x), axes, rc, pairs)
 
 

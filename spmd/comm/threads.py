@@ -54,16 +54,17 @@ class _Slot:
 class Outputs:
     """Every member's result of one collective, made once by the last to arrive (the
     outputs of a mesh-wide autograd node, ``exchange(node=...)``): a member that asked
-    for the node gets its output, any other a private copy of ``total``."""
+    for the node gets its output, any other ``rest(index, device)`` (a private copy)."""
 
-    __slots__ = ("total", "mine")
+    __slots__ = ("mine", "rest")
 
-    def __init__(self, total: torch.Tensor, mine: dict[int, torch.Tensor]):
-        self.total, self.mine = total, mine
+    def __init__(self, mine: dict[int, torch.Tensor],
+                 rest: Callable[[int, torch.device], Any]):
+        self.mine, self.rest = mine, rest
 
-    def take(self, index: int, device: torch.device) -> torch.Tensor:
+    def take(self, index: int, device: torch.device) -> Any:
         t = self.mine.get(index)
-        return _copy(self.total, device) if t is None else t
+        return self.rest(index, device) if t is None else t
 
 
 # Which run of which comm the calling rank thread belongs to (set by rank_threads), and
@@ -381,12 +382,16 @@ class ThreadComm:
         return self.exchange(group, f"scatter(src={src})", payload, name=name,
                              combine=combine)[me]
 
-    def permute(self, x, group, pairs, *, name):
+    def permute(self, x, group, pairs, *, name, node=None):
+        # node: see exchange (the received tensor is one autograd node over the group)
         count("permute", name, group, x=x, pairs=pairs)
         def combine(xs):
             _same_meta(xs, group, name)
             return xs
-        xs = self.exchange(group, f"permute({sorted(pairs)})", x, name=name, combine=combine)
+        xs = self.exchange(group, f"permute({sorted(pairs)})", x, name=name, combine=combine,
+                           node=node)
+        if isinstance(xs, Outputs):
+            return xs.take(group.index, x.device)
         src = [s for s, d in pairs if d == group.index]
         return _copy(xs[src[0]], x.device) if src else None
 

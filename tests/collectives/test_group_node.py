@@ -167,3 +167,42 @@ def test_all_gather_of_shards_of_other_sizes_untiled_names_tiled_on_every_rank()
                        P("sp"))
     with pytest.raises(spmd.CommError, match="pass tiled=True"):
         f(torch.ones(3, requires_grad=True))
+
+
+@pytest.mark.parametrize("perm", [[(0, 1), (1, 2)], [(0, 2), (2, 1), (1, 0)]])
+def test_ppermute_equals_the_threads_schedule(perm):
+    """A shift (the last rank sends nothing, the first receives zeros) and a cycle, over
+    one axis of a 2-D mesh: values, gradients and traffic equal rank threads' to the
+    bit."""
+    x = torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(4))
+
+    def body(t):
+        y = spmd.ppermute(t * t, "b", perm)
+        return (y * t).sin() + y
+    a = _run("threads", body, x, P("b", "a"), P("b", "a"), twice=True)
+    b = _run("greenlets", body, x, P("b", "a"), P("b", "a"), twice=True)
+    for u, v in zip(a[:2], b[:2]):
+        assert torch.equal(u, v)
+    assert a[2] == b[2]
+    assert any(rec[0] == "ppermute" and rec[3] == "backward" and rec[4] for rec in b[2])
+
+
+def test_ppermute_to_a_member_in_no_grad_and_from_one():
+    """Rank 1 shifts in no_grad: it still receives rank 0's block (a plain copy), and the
+    block it sends is a constant in rank 2's gradient."""
+    mesh = spmd.Mesh((3,), ("sp",), schedule="greenlets")
+
+    def body(t):
+        if spmd.axis_index("sp") == 1:
+            with torch.no_grad():
+                y = spmd.ppermute(t * 1.0, "sp", [(0, 1), (1, 2)])
+            assert not y.requires_grad
+        else:
+            y = spmd.ppermute(t * 1.0, "sp", [(0, 1), (1, 2)])
+        return y * t
+    x = torch.arange(1.0, 7.0, dtype=F64, requires_grad=True)
+    out = spmd.shard_map(body, mesh, P("sp"), P("sp"))(x)
+    assert out.tolist() == [0.0, 0.0, 3.0, 8.0, 15.0, 24.0]
+    out.sum().backward()
+    # rank 0's block goes to rank 1 (no graph there); rank 2 gets rank 1's, a constant
+    assert x.grad.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
