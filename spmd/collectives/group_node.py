@@ -33,7 +33,7 @@ from ..comm.threads import Outputs, _copy, _reduce, _tls as _comm_tls
 from ..core._context import RankContext
 from ..core._engine import keep_graph
 from ..core.mesh import Group
-from .mesh_vjp import refuse_body_backward
+from .mesh_vjp import node_info
 
 __all__ = ["wants_node", "node_psum", "node_all_gather", "node_ppermute"]
 
@@ -176,12 +176,7 @@ class _GroupNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        refuse_body_backward()
-        info = ctx.info
-        if info is None:
-            raise RuntimeError("Trying to backward through the graph a second time (or "
-                               "directly access saved tensors after they have already been "
-                               "freed); specify retain_graph=True if you need to")
+        info = node_info(ctx)
         if not comm_of(info.mesh).one_pass:  # per_rank_backward refuses once nodes exist
             raise RuntimeError("spmd: a collective's node over rank greenlets met a "
                                "per-rank backward; please report this")

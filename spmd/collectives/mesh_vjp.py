@@ -26,7 +26,7 @@ from ..comm.threads import in_rank_greenlet
 from ..core._engine import keep_graph
 from ..core.errors import SpecError
 
-__all__ = ["mesh_call", "refuse_body_backward"]
+__all__ = ["mesh_call", "node_info"]
 
 
 def mesh_call(rule: Any, run: Any, args: tuple, stash: Any) -> Any:
@@ -135,12 +135,7 @@ class _MeshVJP(torch.autograd.Function):
     def backward(ctx, *grads):
         from ..comm.rank_greenlets import run_ranks
 
-        refuse_body_backward()
-        info = ctx.info
-        if info is None:
-            raise RuntimeError("Trying to backward through the graph a second time (or "
-                               "directly access saved tensors after they have already been "
-                               "freed); specify retain_graph=True if you need to")
+        info = node_info(ctx)
         if not comm_of(info.mesh).one_pass:
             # Each rank's backward on its own thread (shard_map chose it: the forward
             # installed backward code of its own that communicates): this rank's part.
@@ -164,7 +159,18 @@ class _MeshVJP(torch.autograd.Function):
         return (None, *_flat(info, got))
 
 
-def refuse_body_backward() -> None:
+def node_info(ctx: Any) -> Any:
+    """The ``info`` of a node over several ranks whose backward runs now: refused inside
+    a body (one rank's backward), and after the graph was freed."""
+    _refuse_body_backward()
+    if ctx.info is None:
+        raise RuntimeError("Trying to backward through the graph a second time (or "
+                           "directly access saved tensors after they have already been "
+                           "freed); specify retain_graph=True if you need to")
+    return ctx.info
+
+
+def _refuse_body_backward() -> None:
     """A node over every rank cannot be differentiated by one rank's backward."""
     if in_rank_greenlet():
         # The engine runs on one rank greenlet, inside a body: a per-rank backward,
