@@ -144,11 +144,11 @@ def test_all_gather_equals_the_threads_schedule(tiled):
     """all_gather over one axis of a 2-D mesh, uneven tiles (one rank holds none when
     tiled), its cotangent depending on the position: values, gradients and traffic
     equal rank threads' to the bit (psum_scatter's sums in the same order)."""
-    x = torch.randn(5, 4, dtype=F64, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 4, dtype=F64, generator=torch.Generator().manual_seed(3))  # rows 1, 1, 0
 
     def body(t):
         if tiled:
-            g = spmd.all_gather(t * t, "b", axis=0, tiled=True)  # (5, 2): every row
+            g = spmd.all_gather(t * t, "b", axis=0, tiled=True)  # (2, 2): every row
         else:
             g = spmd.all_gather((t * t).sum(0), "b", axis=0)  # (3, 2): one row per rank
         return (g * t.sum()).sin()
@@ -206,3 +206,27 @@ def test_ppermute_to_a_member_in_no_grad_and_from_one():
     out.sum().backward()
     # rank 0's block goes to rank 1 (no graph there); rank 2 gets rank 1's, a constant
     assert x.grad.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("op", ["psum", "all_gather", "ppermute"])
+def test_ranks_that_disagree_on_the_dtype_get_one_error_each(op):
+    """Rank 1 passes float32, the others float64, in grad mode: a CommError on every
+    rank (the check runs before the node is made), never a mixed result."""
+    mesh = spmd.Mesh((3,), ("sp",), schedule="greenlets")
+    call = {"psum": lambda t: spmd.psum(t, "sp"),
+            "all_gather": lambda t: spmd.all_gather(t, "sp", tiled=True),
+            "ppermute": lambda t: spmd.ppermute(t, "sp", [(0, 1), (1, 2), (2, 0)])}[op]
+    seen = []
+
+    def body(t):
+        if spmd.axis_index("sp") == 1:
+            t = t.float()
+        try:
+            return call(t).sum().reshape(1).double()
+        except spmd.CommError as e:
+            seen.append(str(e))
+            raise
+    with pytest.raises(spmd.CommError, match="every rank must pass the same dtype"):
+        spmd.shard_map(body, mesh, P("sp"), P("sp"))(
+            torch.ones(6, dtype=F64, requires_grad=True))
+    assert len(seen) == 3 and len(set(seen)) == 1
