@@ -5,10 +5,10 @@
 
 Each body chains ``--calls`` calls of one collective on f32[8, 16] per rank (``psum``
 of the block, a tiled ``all_gather`` followed by taking the rank's own block back, a
-cyclic ``ppermute``), with ``x.requires_grad``; a row is the best over ``--repeats``
+tiled ``psum_scatter`` of the block repeated once per rank, a cyclic ``ppermute``),
+with ``x.requires_grad``; a row is the best over ``--repeats``
 of the body's forward and of its backward, divided by ``--calls`` (microseconds per
-collective over all ranks). Greenlets run a sum, a gather and a permutation in grad
-mode as one autograd node made in the collective's own rendezvous
+collective over all ranks). Greenlets run each of them in grad mode as one autograd node made in the collective's own rendezvous
 (``spmd/collectives/group_node.py``); the threads schedule runs each rank's
 ``custom_vjp``.
 """
@@ -31,6 +31,8 @@ def body(kind: str, calls: int):
         for _ in range(calls):
             if kind == "psum":
                 a = spmd.psum(a, "sp") * (1.0 / n)
+            elif kind == "psum_scatter":
+                a = spmd.psum_scatter(a.repeat(n, 1), "sp", tiled=True) * (1.0 / n)
             elif kind == "all_gather":
                 me = spmd.axis_index("sp")
                 a = spmd.all_gather(a, "sp", tiled=True).narrow(0, a.shape[0] * me,
@@ -72,7 +74,7 @@ def main() -> None:
     for n in [int(r) for r in args.ranks.split(",")]:
         for schedule in args.schedule.split(","):
             mesh = spmd.Mesh((n,), ("sp",), schedule=schedule)
-            for kind in ("psum", "all_gather", "ppermute"):
+            for kind in ("psum", "all_gather", "psum_scatter", "ppermute"):
                 fwd, bwd = time_kind(mesh, kind, args.calls, args.repeats)
                 print(f"| {n} | {schedule} | {kind} | {fwd:.0f} | {bwd:.0f} |")
 

@@ -1,6 +1,6 @@
 """A collective on the simulated mesh as ONE autograd node over its group, made in the
-collective's own rendezvous: ``psum`` (and every sum built on it), ``all_gather`` and
-``ppermute``.
+collective's own rendezvous: ``psum`` (and every sum built on it), ``all_gather``,
+``psum_scatter`` and ``ppermute``.
 
 On rank greenlets (``Mesh(schedule="greenlets")``) a ``custom_vjp`` call is a node over
 every rank (``mesh_vjp``): each rank runs the rule, the ranks meet a second time, and
@@ -35,7 +35,7 @@ from ..core._engine import keep_graph
 from ..core.mesh import Group
 from .mesh_vjp import node_info
 
-__all__ = ["wants_node", "node_psum", "node_all_gather", "node_ppermute"]
+__all__ = ["wants_node", "node_psum", "node_all_gather", "node_ppermute", "node_psum_scatter"]
 
 
 def wants_node(x: torch.Tensor) -> bool:
@@ -57,11 +57,11 @@ def node_psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
     group = mesh.group(axes, rc.rank)
 
     def build(xs: list, total: torch.Tensor, asking: list[int]) -> Outputs:
-        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+        def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
             g = _reduce(gs, "sum")
-            return [g if i == inputs[-1] else g.clone() for i in inputs]
-        return _build(_Info(mesh, axes, group, xs, asking, transpose,
-                            ("all_reduce", name, None)), xs, total)
+            return [g if k == len(ins) - 1 else g.clone() for k in range(len(ins))]
+        return _build(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
+                            ("all_reduce", name, None)), total)
 
     return comm_of(mesh).all_reduce(x, "sum", group, name=name, node=build)
 
@@ -80,14 +80,14 @@ def node_ppermute(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext,
         def received(i: int, device: torch.device) -> torch.Tensor | None:
             return _copy(xs[src[i]], device) if i in src else None
 
-        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+        def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
             return [_copy(gs[dst[j]], gs[dst[j]].device) if j in dst else
-                    torch.zeros_like(gs[j]) for j in inputs]
+                    torch.zeros_like(gs[j]) for j, _ in ins]
         outs = {i: received(i, xs[i].device) if i in src else torch.zeros_like(xs[i])
                 for i in asking}
-        return _node(_Info(mesh, axes, group, xs, asking, transpose,
+        return _node(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
                            ("permute", "ppermute", tuple((d, s) for s, d in pairs))),
-                     xs, outs, (xs[0].shape, xs[0].dtype), received)
+                     outs, [(x.shape, x.dtype) for x in xs], received)
 
     return comm_of(mesh).permute(x, group, pairs, name="ppermute", node=build)
 
@@ -107,54 +107,97 @@ def node_all_gather(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, axi
         got = [p.shape[axis] for p in parts]
         starts = [sum(got[:i]) for i in range(len(got))]
 
-        def transpose(gs: list[torch.Tensor], inputs: list[int]) -> list[torch.Tensor]:
+        def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
             return [_reduce([g.narrow(axis, starts[i], got[i]) for g in gs], "sum")
-                    for i in inputs]
+                    for i, _ in ins]
         # what psum_scatter's reduce_scatter counts for each member
-        return _build(_Info(mesh, axes, group, xs, asking, transpose,
-                            ("reduce_scatter", "psum_scatter", (axis, got))), xs, total)
+        return _build(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
+                            ("reduce_scatter", "psum_scatter", (axis, got))), total)
 
     return comm_of(mesh).all_gather(x, group, axis, name=name, sizes=sizes, node=build)
+
+
+def node_psum_scatter(chunks: list[torch.Tensor], axes: tuple[str, ...], rc: RankContext,
+                      d: int, tiled: bool) -> torch.Tensor:
+    """This rank's block of the sum of the members' ``chunks`` (``x`` split along ``d``,
+    or unbound where not ``tiled``), one node with the group's other members that ask
+    for it. Transpose: member i's cotangent to chunk i of every member
+    (``all_gather``)."""
+    mesh = rc.mesh
+    group = mesh.group(axes, rc.rank)
+
+    def build(cs: list, same: list, asking: list[int]) -> Outputs:
+        n = len(cs)
+        sums = [_reduce([c[i] for c in cs], "sum") for i in range(n)]  # each its own
+        ins = [(j, c) for j in asking for c in cs[j] if c.requires_grad]
+
+        def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
+            at = {}  # chunk i of each member gets a copy of member i's cotangent
+            out = []
+            for j, c in ins:
+                i = at[j] = at.get(j, -1) + 1
+                out.append(_copy(gs[i], gs[i].device))
+            return out
+        # each sum is one member's alone: no copy
+        outs = {i: _on(sums[i], cs[i][0].device) for i in asking}
+        # what all_gather counts for each member (untiled: the cotangent with its dim)
+        return _node(_Info(mesh, axes, group, asking, ins, [c[0] for c in cs], transpose,
+                           ("all_gather", "all_gather", None if tiled else d)),
+                     outs, [(t.shape, t.dtype) for t in sums],
+                     lambda i, device: _on(sums[i], device))
+
+    return comm_of(mesh).reduce_scatter(chunks, "sum", group, name="psum_scatter", node=build)
 
 
 class _Info:
     """One node: its group, inputs, outputs and transpose, for the backward."""
 
-    __slots__ = ("mesh", "axes", "group", "asking", "inputs", "metas", "outs", "out_meta",
+    __slots__ = ("mesh", "axes", "group", "asking", "ins", "devices", "outs", "out_meta",
                  "transpose", "counted")
 
-    def __init__(self, mesh, axes: tuple[str, ...], group: Group, xs: list, asking: list[int],
-                 transpose: Callable[[list[torch.Tensor], list[int]], list[torch.Tensor]],
+    def __init__(self, mesh, axes: tuple[str, ...], group: Group, asking: list[int],
+                 ins: list[tuple[int, torch.Tensor]], xs: list[torch.Tensor],
+                 transpose: Callable[[list[torch.Tensor], list], list[torch.Tensor]],
                  counted: tuple):
         self.mesh, self.axes, self.group, self.asking = mesh, axes, group, asking
-        self.inputs = [i for i in asking if xs[i].requires_grad]
-        self.metas = [(t.shape, t.dtype, t.device) for t in xs]
-        self.transpose = transpose
+        self.ins = ins  # (member, tensor): the node's inputs, those needing a gradient
+        self.devices = [t.device for t in xs]  # each member's
+        self.transpose = transpose  # member cotangents -> the gradients of ins
         self.counted = counted  # (kind, name, chunking or pairs) of the backward collective
         self.outs: list[torch.Tensor] = []
-        self.out_meta: tuple = ()  # every output's (shape, dtype)
+        self.out_meta: list[tuple] = []  # every member's output (shape, dtype)
 
 
-def _build(info: _Info, xs: list, total: torch.Tensor) -> Outputs:
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def _each(xs: list[torch.Tensor], asking: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """The node's inputs where each member passes one tensor: those needing a gradient."""
+    return [(i, xs[i]) for i in asking if xs[i].requires_grad]
+
+
+def _build(info: _Info, total: torch.Tensor) -> Outputs:
     """Run once, by the last member to arrive, for a collective whose every member gets
     ``total``: the asking members' outputs, one node over them if any of their inputs
     needs a gradient."""
-    asking, n = info.asking, len(info.metas)
+    asking, n = info.asking, len(info.devices)
     # Every output is a tensor of its own, on its member's device (one member may write
     # to its result in place); the result itself goes to one asking member when every
     # member asks.
     outs = {i: (total if i == asking[-1] and len(asking) == n and
-                info.metas[i][2] == total.device else _copy(total, info.metas[i][2]))
+                info.devices[i] == total.device else _copy(total, info.devices[i]))
             for i in asking}
-    return _node(info, xs, outs, (total.shape, total.dtype),
+    return _node(info, outs, [(total.shape, total.dtype)] * n,
                  lambda i, device: _copy(total, device))
 
 
-def _node(info: _Info, xs: list, outs: dict[int, torch.Tensor], out_meta: tuple,
+def _node(info: _Info, outs: dict[int, torch.Tensor], out_meta: list[tuple],
           rest: Callable) -> Outputs:
     """The node over the asking members' ``outs`` (each a tensor of its own), if any of
-    their inputs needs a gradient; ``rest``: the result of a member that did not ask."""
-    if not info.inputs:
+    their inputs needs a gradient; ``out_meta``: every member's output (shape, dtype);
+    ``rest``: the result of a member that did not ask."""
+    if not info.ins:
         return Outputs(outs, rest)
     run = _comm_tls.get("green")
     if run is not None:
@@ -162,7 +205,7 @@ def _node(info: _Info, xs: list, outs: dict[int, torch.Tensor], out_meta: tuple,
     info.outs = [outs[i] for i in info.asking]
     info.out_meta = out_meta
     with torch.enable_grad():  # the last to arrive may be a member in no_grad
-        got = _GroupNode.apply(info, *[xs[i] for i in info.inputs])
+        got = _GroupNode.apply(info, *[t for _, t in info.ins])
     return Outputs(dict(zip(info.asking, got)), rest)
 
 
@@ -185,7 +228,7 @@ class _GroupNode(torch.autograd.Function):
                                "greenlets (create_graph=True) is not supported")
         if not keep_graph():
             ctx.info = None
-        group, n = info.group, len(info.metas)
+        group, n = info.group, len(info.devices)
         got = dict(zip(info.asking, grads))
         kind, name, split = info.counted
         gs = []
@@ -193,17 +236,19 @@ class _GroupNode(torch.autograd.Function):
             for i in range(n):
                 g = got.get(i)
                 if g is None:  # no cotangent, or a member that did not ask: zeros
-                    shape, dt = info.out_meta
-                    g = torch.zeros(shape, dtype=dt, device=info.metas[i][2])
+                    shape, dt = info.out_meta[i]
+                    g = torch.zeros(shape, dtype=dt, device=info.devices[i])
                 if i in got:  # the members whose backward runs the transpose
                     member = info.mesh.group(info.axes, group.ranks[i])
                     if kind == "reduce_scatter":
                         count(kind, name, member, chunks=list(g.split(split[1], split[0])))
+                    elif kind == "all_gather" and split is not None:  # untiled
+                        count(kind, name, member, x=g.unsqueeze(split))
                     elif kind == "permute":
                         count(kind, name, member, x=g, pairs=split)
                     else:
                         count(kind, name, member, x=g)
                 gs.append(g)
-        gx = [t if t.device == info.metas[i][2] else t.to(info.metas[i][2])
-              for t, i in zip(info.transpose(gs, info.inputs), info.inputs)]
+        gx = [t if t.device == x.device else t.to(x.device)
+              for t, (_, x) in zip(info.transpose(gs, info.ins), info.ins)]
         return (None, *gx)

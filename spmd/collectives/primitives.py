@@ -33,7 +33,8 @@ from ..core.errors import CommAborted, CommError, CommTimeout, SpecError
 from ..core.layout import balanced_sizes
 from ._anchor import anchor
 from .compiled import graph_op, like_input
-from .group_node import node_all_gather, node_ppermute, node_psum, wants_node
+from .group_node import (node_all_gather, node_ppermute, node_psum, node_psum_scatter,
+                         wants_node)
 from .vjp import custom_vjp
 
 __all__ = ["psum", "pmean", "pmax", "pmin", "all_gather", "psum_scatter", "ppermute",
@@ -311,7 +312,11 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
             raise SpecError(
                 f"psum_scatter: sizes={list(sizes)} must be {n} non-negative sizes adding up "
                 f"to dim {d} of x ({describe(x)})")
-    return _psum_scatter(anchor(_counts(x)), axes, rc, d, sizes)
+    x = _counts(x)
+    if wants_node(x):  # on rank greenlets: one node over the group (group_node)
+        chunks = list(x.split(sizes, d)) if sizes is not None else list(x.unbind(d))
+        return node_psum_scatter(chunks, axes, rc, d, sizes is not None)
+    return _psum_scatter(anchor(x), axes, rc, d, sizes)
 
 
 @custom_vjp

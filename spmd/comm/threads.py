@@ -315,14 +315,18 @@ class ThreadComm:
             return got.take(group.index, x.device)
         return [_copy(t, x.device) for t in got]
 
-    def reduce_scatter(self, chunks, op, group, *, name):
+    def reduce_scatter(self, chunks, op, group, *, name, node=None):
+        # node: see exchange (this member's block is one autograd node over the group)
         count("reduce_scatter", name, group, chunks=chunks)
         def combine(cs):
             _same_len(cs, group, name)
             for i in range(group.size):
                 _same_meta([c[i] for c in cs], group, name)
             return cs
-        cs = self.exchange(group, f"reduce_scatter({op})", chunks, name=name, combine=combine)
+        cs = self.exchange(group, f"reduce_scatter({op})", chunks, name=name, combine=combine,
+                           node=node)
+        if isinstance(cs, Outputs):
+            return cs.take(group.index, chunks[group.index].device)
         return _copy(_reduce([c[group.index] for c in cs], op), chunks[group.index].device)
 
     def all_to_all(self, chunks, group, *, name, shapes=None):

@@ -1,6 +1,6 @@
-"""psum and all_gather on rank greenlets as one autograd node over their group
-(spmd/collectives/group_node.py): values, gradients, retained graphs and traffic
-equal the thread-per-rank schedule's bit for bit; a member in no_grad, a member whose
+"""psum, all_gather, psum_scatter and ppermute on rank greenlets as one autograd node
+over their group (spmd/collectives/group_node.py): values, gradients, retained graphs
+and traffic equal the thread-per-rank schedule's bit for bit; a member in no_grad, a member whose
 input needs no gradient and a per-rank backward requested after the node are each
 handled or refused on every rank."""
 from __future__ import annotations
@@ -208,13 +208,14 @@ def test_ppermute_to_a_member_in_no_grad_and_from_one():
     assert x.grad.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0]
 
 
-@pytest.mark.parametrize("op", ["psum", "all_gather", "ppermute"])
+@pytest.mark.parametrize("op", ["psum", "all_gather", "psum_scatter", "ppermute"])
 def test_ranks_that_disagree_on_the_dtype_get_one_error_each(op):
     """Rank 1 passes float32, the others float64, in grad mode: a CommError on every
     rank (the check runs before the node is made), never a mixed result."""
     mesh = spmd.Mesh((3,), ("sp",), schedule="greenlets")
     call = {"psum": lambda t: spmd.psum(t, "sp"),
             "all_gather": lambda t: spmd.all_gather(t, "sp", tiled=True),
+            "psum_scatter": lambda t: spmd.psum_scatter(t, "sp", tiled=True),
             "ppermute": lambda t: spmd.ppermute(t, "sp", [(0, 1), (1, 2), (2, 0)])}[op]
     seen = []
 
@@ -230,3 +231,25 @@ def test_ranks_that_disagree_on_the_dtype_get_one_error_each(op):
         spmd.shard_map(body, mesh, P("sp"), P("sp"))(
             torch.ones(6, dtype=F64, requires_grad=True))
     assert len(seen) == 3 and len(set(seen)) == 1
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_psum_scatter_equals_the_threads_schedule(tiled):
+    """psum_scatter over one axis of a 2-D mesh: tiled into uneven blocks (one rank's
+    empty), or one row per rank: values, gradients and traffic equal rank threads' to
+    the bit."""
+    x = torch.randn(6, 4, dtype=F64, generator=torch.Generator().manual_seed(5))
+
+    def body(t):
+        u = torch.cat([t, t * t], 0)  # (4, 2)
+        if tiled:
+            s = spmd.psum_scatter(u, "b", tiled=True, sizes=(3, 1, 0))
+            return (s.sum(0, keepdim=True) * t[:1]).cos()
+        s = spmd.psum_scatter(u[:3], "b")  # (2,): this rank's row of the sum
+        return (s * t).cos()
+    a = _run("threads", body, x, P("b", "a"), P("b", "a"), twice=True)
+    b = _run("greenlets", body, x, P("b", "a"), P("b", "a"), twice=True)
+    for u, v in zip(a[:2], b[:2]):
+        assert torch.equal(u, v)
+    assert a[2] == b[2]
+    assert any(rec[0] == "all_gather" and rec[3] == "backward" and rec[4] for rec in b[2])
