@@ -28,6 +28,17 @@ def _run(schedule: str, body, x: torch.Tensor, spec, out_spec, *, twice: bool = 
     return out.detach(), g, sorted(st.records)
 
 
+def _same_as_threads(body, x, spec, out_spec, *, twice: bool = True) -> tuple:
+    """Values, gradients and traffic on rank greenlets equal rank threads' to the bit;
+    the greenlets' (output, gradient, records)."""
+    a = _run("threads", body, x, spec, out_spec, twice=twice)
+    b = _run("greenlets", body, x, spec, out_spec, twice=twice)
+    for u, v in zip(a[:2], b[:2]):
+        assert torch.equal(u, v)
+    assert a[2] == b[2]
+    return b
+
+
 @pytest.mark.parametrize("twice", [False, True])
 def test_values_gradients_and_traffic_equal_the_threads_schedule(twice):
     """psum over one axis of a 2-D mesh (two groups of three), uneven shards (one rank
@@ -39,11 +50,7 @@ def test_values_gradients_and_traffic_equal_the_threads_schedule(twice):
         s = spmd.psum((t * t).sum(0), "b")
         return (s * spmd.pmean(t.sum(), ("a", "b"))).tanh()
     spec, out_spec = P(("b",), "a"), P("a")
-    a = _run("threads", body, x, spec, out_spec, twice=twice)
-    b = _run("greenlets", body, x, spec, out_spec, twice=twice)
-    for u, v in zip(a[:2], b[:2]):
-        assert torch.equal(u, v)
-    assert a[2] == b[2]
+    b = _same_as_threads(body, x, spec, out_spec, twice=twice)
     # one device, float64 (the same sums in another order: 1e-12)
     ref = x.clone().requires_grad_()
     want = ((ref * ref).sum(0) * ref.sum() / 6).tanh()
@@ -153,11 +160,7 @@ def test_all_gather_equals_the_threads_schedule(tiled):
             g = spmd.all_gather((t * t).sum(0), "b", axis=0)  # (3, 2): one row per rank
         return (g * t.sum()).sin()
     spec = P(("b",), "a")
-    a = _run("threads", body, x, spec, P("a"), twice=True)
-    b = _run("greenlets", body, x, spec, P("a"), twice=True)
-    for u, v in zip(a[:2], b[:2]):
-        assert torch.equal(u, v)
-    assert a[2] == b[2]
+    b = _same_as_threads(body, x, spec, P("a"))
     assert any(rec[0] == "psum_scatter" and rec[3] == "backward" for rec in b[2])
 
 
@@ -179,11 +182,7 @@ def test_ppermute_equals_the_threads_schedule(perm):
     def body(t):
         y = spmd.ppermute(t * t, "b", perm)
         return (y * t).sin() + y
-    a = _run("threads", body, x, P("b", "a"), P("b", "a"), twice=True)
-    b = _run("greenlets", body, x, P("b", "a"), P("b", "a"), twice=True)
-    for u, v in zip(a[:2], b[:2]):
-        assert torch.equal(u, v)
-    assert a[2] == b[2]
+    b = _same_as_threads(body, x, P("b", "a"), P("b", "a"))
     assert any(rec[0] == "ppermute" and rec[3] == "backward" and rec[4] for rec in b[2])
 
 
@@ -247,9 +246,5 @@ def test_psum_scatter_equals_the_threads_schedule(tiled):
             return (s.sum(0, keepdim=True) * t[:1]).cos()
         s = spmd.psum_scatter(u[:3], "b")  # (2,): this rank's row of the sum
         return (s * t).cos()
-    a = _run("threads", body, x, P("b", "a"), P("b", "a"), twice=True)
-    b = _run("greenlets", body, x, P("b", "a"), P("b", "a"), twice=True)
-    for u, v in zip(a[:2], b[:2]):
-        assert torch.equal(u, v)
-    assert a[2] == b[2]
+    b = _same_as_threads(body, x, P("b", "a"), P("b", "a"))
     assert any(rec[0] == "all_gather" and rec[3] == "backward" and rec[4] for rec in b[2])
