@@ -34,6 +34,7 @@ from ..core._context import RankContext
 from ..core._engine import keep_graph
 from ..core.mesh import Group
 from .mesh_vjp import node_info
+from .vjp import _checkpointing
 
 __all__ = ["wants_node", "node_psum", "node_all_gather", "node_ppermute", "node_psum_scatter"]
 
@@ -45,8 +46,7 @@ def wants_node(x: torch.Tensor) -> bool:
     run = _comm_tls.get("green")
     if run is None or run.per_rank_backward or functorch_active():
         return False
-    from .vjp import _checkpointing  # a checkpointed region recomputes per rank
-    return not _checkpointing()
+    return not _checkpointing()  # a checkpointed region recomputes per rank
 
 
 def node_psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
@@ -61,7 +61,7 @@ def node_psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str
             g = _reduce(gs, "sum")
             return [g if k == len(ins) - 1 else g.clone() for k in range(len(ins))]
         return _build(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
-                            ("all_reduce", name, None)), total)
+                            lambda member, g: count("all_reduce", name, member, x=g)), total)
 
     return comm_of(mesh).all_reduce(x, "sum", group, name=name, node=build)
 
@@ -75,18 +75,20 @@ def node_ppermute(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext,
     group = mesh.group(axes, rc.rank)
     src = {d: s for s, d in pairs}
     dst = {s: d for s, d in pairs}
+    back = tuple((d, s) for s, d in pairs)  # what each member's backward permutes
 
     def build(xs: list, same: list, asking: list[int]) -> Outputs:
         def received(i: int, device: torch.device) -> torch.Tensor | None:
             return _copy(xs[src[i]], device) if i in src else None
 
         def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
-            return [_copy(gs[dst[j]], gs[dst[j]].device) if j in dst else
-                    torch.zeros_like(gs[j]) for j, _ in ins]
+            return [_copy(gs[dst[j]], x.device) if j in dst else torch.zeros_like(gs[j])
+                    for j, x in ins]
         outs = {i: received(i, xs[i].device) if i in src else torch.zeros_like(xs[i])
                 for i in asking}
         return _node(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
-                           ("permute", "ppermute", tuple((d, s) for s, d in pairs))),
+                           lambda member, g: count("permute", "ppermute", member, x=g,
+                                                   pairs=back)),
                      outs, [(x.shape, x.dtype) for x in xs], received)
 
     return comm_of(mesh).permute(x, group, pairs, name="ppermute", node=build)
@@ -103,16 +105,18 @@ def node_all_gather(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, axi
 
     def build(xs: list, parts: list, asking: list[int]) -> Outputs:
         dev = xs[0].device
-        total = torch.cat([p if p.device == dev else p.to(dev) for p in parts], axis)
+        total = torch.cat([_on(p, dev) for p in parts], axis)
         got = [p.shape[axis] for p in parts]
         starts = [sum(got[:i]) for i in range(len(got))]
 
         def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
             return [_reduce([g.narrow(axis, starts[i], got[i]) for g in gs], "sum")
                     for i, _ in ins]
-        # what psum_scatter's reduce_scatter counts for each member
+
+        def counted(member: Group, g: torch.Tensor) -> None:  # as psum_scatter counts
+            count("reduce_scatter", "psum_scatter", member, chunks=list(g.split(got, axis)))
         return _build(_Info(mesh, axes, group, asking, _each(xs, asking), xs, transpose,
-                            ("reduce_scatter", "psum_scatter", (axis, got))), total)
+                            counted), total)
 
     return comm_of(mesh).all_gather(x, group, axis, name=name, sizes=sizes, node=build)
 
@@ -129,20 +133,21 @@ def node_psum_scatter(chunks: list[torch.Tensor], axes: tuple[str, ...], rc: Ran
     def build(cs: list, same: list, asking: list[int]) -> Outputs:
         n = len(cs)
         sums = [_reduce([c[i] for c in cs], "sum") for i in range(n)]  # each its own
-        ins = [(j, c) for j in asking for c in cs[j] if c.requires_grad]
+        # the node's inputs: every asking member's blocks, and which block each is
+        block = [(j, i, c) for j in asking for i, c in enumerate(cs[j]) if c.requires_grad]
+        ins = [(j, c) for j, _, c in block]
 
         def transpose(gs: list[torch.Tensor], ins: list) -> list[torch.Tensor]:
-            at = {}  # chunk i of each member gets a copy of member i's cotangent
-            out = []
-            for j, c in ins:
-                i = at[j] = at.get(j, -1) + 1
-                out.append(_copy(gs[i], gs[i].device))
-            return out
+            # block i of every member gets a copy of member i's cotangent
+            return [_copy(gs[i], c.device) for _, i, c in block]
         # each sum is one member's alone: no copy
         outs = {i: _on(sums[i], cs[i][0].device) for i in asking}
-        # what all_gather counts for each member (untiled: the cotangent with its dim)
+
+        def counted(member: Group, g: torch.Tensor) -> None:  # as all_gather counts
+            count("all_gather", "all_gather", member, x=g if tiled else g.unsqueeze(d))
+
         return _node(_Info(mesh, axes, group, asking, ins, [c[0] for c in cs], transpose,
-                           ("all_gather", "all_gather", None if tiled else d)),
+                           counted),
                      outs, [(t.shape, t.dtype) for t in sums],
                      lambda i, device: _on(sums[i], device))
 
@@ -153,17 +158,17 @@ class _Info:
     """One node: its group, inputs, outputs and transpose, for the backward."""
 
     __slots__ = ("mesh", "axes", "group", "asking", "ins", "devices", "outs", "out_meta",
-                 "transpose", "counted")
+                 "transpose", "count")
 
     def __init__(self, mesh, axes: tuple[str, ...], group: Group, asking: list[int],
                  ins: list[tuple[int, torch.Tensor]], xs: list[torch.Tensor],
                  transpose: Callable[[list[torch.Tensor], list], list[torch.Tensor]],
-                 counted: tuple):
+                 count: Callable[[Group, torch.Tensor], None]):
         self.mesh, self.axes, self.group, self.asking = mesh, axes, group, asking
         self.ins = ins  # (member, tensor): the node's inputs, those needing a gradient
         self.devices = [t.device for t in xs]  # each member's
         self.transpose = transpose  # member cotangents -> the gradients of ins
-        self.counted = counted  # (kind, name, chunking or pairs) of the backward collective
+        self.count = count  # records a member's backward collective (comm_stats)
         self.outs: list[torch.Tensor] = []
         self.out_meta: list[tuple] = []  # every member's output (shape, dtype)
 
@@ -230,7 +235,6 @@ class _GroupNode(torch.autograd.Function):
             ctx.info = None
         group, n = info.group, len(info.devices)
         got = dict(zip(info.asking, grads))
-        kind, name, split = info.counted
         gs = []
         with in_backward():
             for i in range(n):
@@ -239,16 +243,7 @@ class _GroupNode(torch.autograd.Function):
                     shape, dt = info.out_meta[i]
                     g = torch.zeros(shape, dtype=dt, device=info.devices[i])
                 if i in got:  # the members whose backward runs the transpose
-                    member = info.mesh.group(info.axes, group.ranks[i])
-                    if kind == "reduce_scatter":
-                        count(kind, name, member, chunks=list(g.split(split[1], split[0])))
-                    elif kind == "all_gather" and split is not None:  # untiled
-                        count(kind, name, member, x=g.unsqueeze(split))
-                    elif kind == "permute":
-                        count(kind, name, member, x=g, pairs=split)
-                    else:
-                        count(kind, name, member, x=g)
+                    info.count(info.mesh.group(info.axes, group.ranks[i]), g)
                 gs.append(g)
-        gx = [t if t.device == x.device else t.to(x.device)
-              for t, (_, x) in zip(info.transpose(gs, info.ins), info.ins)]
+        gx = [_on(t, x.device) for t, (_, x) in zip(info.transpose(gs, info.ins), info.ins)]
         return (None, *gx)

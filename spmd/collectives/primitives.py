@@ -314,14 +314,18 @@ def psum_scatter(x: torch.Tensor, axis_name: AxisName, *, scatter_dimension: int
                 f"to dim {d} of x ({describe(x)})")
     x = _counts(x)
     if wants_node(x):  # on rank greenlets: one node over the group (group_node)
-        chunks = list(x.split(sizes, d)) if sizes is not None else list(x.unbind(d))
-        return node_psum_scatter(chunks, axes, rc, d, sizes is not None)
+        return node_psum_scatter(_blocks(x, d, sizes), axes, rc, d, sizes is not None)
     return _psum_scatter(anchor(x), axes, rc, d, sizes)
+
+
+def _blocks(x: torch.Tensor, d: int, sizes: tuple[int, ...] | None) -> list[torch.Tensor]:
+    """psum_scatter's blocks of ``x``: split along ``d`` into ``sizes``, or unbound."""
+    return list(x.split(sizes, d)) if sizes is not None else list(x.unbind(d))
 
 
 @custom_vjp
 def _psum_scatter(x, axes, rc, d, sizes):
-    chunks = list(x.split(sizes, d)) if sizes is not None else list(x.unbind(d))
+    chunks = _blocks(x, d, sizes)
     return comm_of(rc.mesh).reduce_scatter(chunks, "sum", rc.mesh.group(axes, rc.rank),
                                        name="psum_scatter")
 
