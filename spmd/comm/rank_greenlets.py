@@ -77,15 +77,18 @@ def run_ranks(mesh: Mesh, ranks: Sequence[int], fn: Callable[[int], Any]) -> lis
     per-rank generators): the backward of a mesh-wide autograd node, inside a backward
     that holds the mesh (``shard_map``'s). Results in the order of ``ranks``."""
     # grad mode: off in a backward, unless it makes a graph
-    return _Run(mesh, fn, comm_of(mesh), ranks, None, torch.is_grad_enabled()).run()
+    return _Run(mesh, fn, comm_of(mesh), ranks, None, torch.is_grad_enabled(),
+                pool="nodes").run()
 
 
 class _Run:
     """One per-rank program run: the greenlets, their torch states, and the waits."""
 
     def __init__(self, mesh: Mesh, fn: Callable[[int], Any], comm: Any,
-                 ranks: Sequence[int], seed: int | None, grad: bool = True):
+                 ranks: Sequence[int], seed: int | None, grad: bool = True,
+                 pool: str = "runs"):
         self.mesh, self.fn, self.comm = mesh, fn, comm
+        self.pool = pool
         self.ranks = list(ranks)
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
@@ -110,7 +113,7 @@ class _Run:
         self.generation = self.comm.begin()
         caller = take(self.per_rank_rng)
         self.baseline = guards()
-        workers = _take_workers(len(self.ranks))
+        workers = _take_workers(len(self.ranks), self.pool)
         for r, w in zip(self.ranks, workers):
             w.parent = self.main
             self.lets[r] = w
@@ -118,7 +121,7 @@ class _Run:
             self.loop()
         finally:
             put(caller)
-            _give_back([w for r, w in self.lets.items() if r in self.done])
+            _give_back([w for r, w in self.lets.items() if r in self.done], self.pool)
         if self.errors:
             raise_first(self.errors)
         return [self.results[r] for r in self.ranks]
@@ -218,7 +221,11 @@ class _Run:
             if exc is None:
                 # a worker waiting for a job takes (run, rank); one waiting in a
                 # collective ignores it
-                got = self.lets[r].switch((self, r))
+                got = _enter(self.lets[r], (self, r))
+                if got is _MOVED:  # a pooled worker made where the stack was otherwise
+                    self.lets[r].throw()  # ends it
+                    self.lets[r] = _new_worker()
+                    got = _enter(self.lets[r], (self, r))
             else:
                 got = self.lets[r].throw(exc)
         finally:
@@ -290,31 +297,75 @@ class _Point:
         self.done = False
 
 
+# -- worker greenlets -----------------------------------------------------------------------
+#
+# Starting and ending a greenlet costs ~10 us (and a torch op in a new one ~3x its
+# time); switching to a waiting one, under 1. So workers are kept between runs, with one
+# condition. A greenlet's C stack continues, past its first frame, into the frames of
+# whoever started it, as they were then; C++ code that walks the whole stack (torch
+# records a backtrace in every error it raises) reads those frames. Where a worker runs
+# again with the stack at another depth (made in a backward's node, run in a forward),
+# that memory holds other frames, and the walk crashes the process. A worker is
+# therefore only reused from where it was made: at each job it compares what the switch
+# in saved of its parent's stack with what it saved when the worker was made
+# (greenlet's ``_stack_saved``; equal only at the same depth), and answers ``_MOVED``
+# where they differ: the run ends it and makes a new one.
+
 _DONE = object()  # what a worker greenlet says when its rank's program has finished
+_MOVED = object()  # what a pooled worker says when switched to from another stack depth
+_CALIBRATE = object()
 
 
-def _work(job: tuple[_Run, int]) -> None:
-    """A worker greenlet's life: run a rank's program, say so, wait for the next.
-    Starting and ending a greenlet costs ~10 us; switching to a waiting one, under 1."""
+def _saved(g: greenlet) -> int | None:
+    return getattr(g, "_stack_saved", None)
+
+
+def _enter(w: greenlet, job: Any) -> Any:
+    # The one place a worker is switched to from its run: the stack depth a worker is
+    # measured at is the one its jobs come from.
+    return w.switch(job)
+
+
+def _work(job: Any) -> None:
+    """A worker greenlet's life: learn where it was made, then run rank programs."""
+    me = getcurrent()
+    job = me.parent.switch(None)  # made by _new_worker: the second switch in measures
+    home = _saved(me.parent)
+    job = me.parent.switch(None)
     while True:
+        if home is None or _saved(me.parent) != home:
+            job = me.parent.switch(_MOVED)
+            continue
         run, rank = job
         run._body(rank)
         del run
-        job = getcurrent().parent.switch(_DONE)
+        job = me.parent.switch(_DONE)
+
+
+def _new_worker() -> greenlet:
+    w = greenlet(_work)
+    _enter(w, _CALIBRATE)  # starts it
+    _enter(w, _CALIBRATE)  # a switch in from a run, measured
+    return w
 
 
 _pool = threading.local()  # idle workers of this OS thread (a greenlet stays on its own)
 
 
-def _take_workers(n: int) -> list[greenlet]:
-    idle = getattr(_pool, "idle", None)
-    if idle is None:
-        idle = _pool.idle = []
+def _take_workers(n: int, pool: str) -> list[greenlet]:
+    """``n`` workers: pooled ones (checked at their first job) and new ones. Runs made
+    inside a backward (``run_ranks``) keep a pool of their own: their stack depth is
+    another than the forward's."""
+    pools = getattr(_pool, "idle", None)
+    if pools is None:
+        pools = _pool.idle = {}
+    idle = pools.setdefault(pool, [])
     got = [idle.pop() for _ in range(min(n, len(idle)))]
-    return got + [greenlet(_work) for _ in range(n - len(got))]
+    return got + [_new_worker() for _ in range(n - len(got))]
 
 
-def _give_back(workers: list[greenlet]) -> None:
+def _give_back(workers: list[greenlet], pool: str) -> None:
     """Workers whose rank finished go back to the pool (one still inside a rank's
     program, abandoned by a failure, is dropped)."""
-    _pool.idle.extend(workers)
+    if _saved(getcurrent()) is not None:  # else: no way to check a worker's depth
+        _pool.idle[pool].extend(workers)

@@ -262,3 +262,57 @@ def test_schedule_values():
     with pytest.raises(spmd.SpecError, match="schedule must be 'greenlets' or 'threads', "
                        "got 'x'"):
         spmd.Mesh((2,), ("sp",), schedule="x")
+
+
+_DEPTHS = r'''
+import torch, spmd
+from spmd import P
+mesh = spmd.Mesh((3,), ("sp",))
+ok = spmd.shard_map(lambda t: t * 2, mesh, P("sp"), P("sp"))
+bad = spmd.shard_map(lambda t: t.view(5, -1), mesh, P("sp"), P("sp"))
+def nest(n):  # the call made n levels of C recursion deeper (map calls back into Python)
+    return ok(torch.ones(6)) if n == 0 else list(map(lambda _: nest(n - 1), [0]))[0]
+for n in (3, 4, 5):
+    nest(n)
+    try:
+        bad(torch.ones(6))
+    except RuntimeError as e:
+        assert "rank 0: shape '[5, -1]' is invalid" in str(e), e
+print("ok")
+'''
+
+
+def test_a_torch_error_after_ranks_ran_at_another_stack_depth_is_an_error_not_a_crash():
+    """Rank greenlets made by a call deeper in the C stack, reused by a shallower one: a
+    torch error in a rank walks the greenlet's stack past its first frame (torch records
+    a backtrace). Workers are reused only from where they were made, so the error is
+    raised (this crashed the process with SIGSEGV when workers were reused anywhere)."""
+    import subprocess
+    import sys
+    got = subprocess.run([sys.executable, "-c", _DEPTHS], capture_output=True, text=True,
+                         timeout=120)
+    assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
+    assert got.stdout.strip() == "ok"
+
+
+def test_workers_are_kept_between_runs_from_one_depth_and_made_again_at_another(monkeypatch):
+    """A training loop (forward, then a backward whose nodes run ranks inside autograd's
+    engine) makes its rank greenlets once; calls from another stack depth make new ones
+    once, then keep those."""
+    import spmd.comm.rank_greenlets as rg
+    made = []
+    new = rg._new_worker
+    monkeypatch.setattr(rg, "_new_worker", lambda: made.append(1) or new())
+    monkeypatch.setattr(rg, "_pool", __import__("threading").local())  # an empty pool
+    mesh = spmd.Mesh((3,), ("sp",))
+    s = P(None, None, "sp")
+    w = torch.randn(2, 2, 3, 3, requires_grad=True)
+    f = spmd.shard_map(lambda t: spmd.ops.conv2d(t, w, padding=1, mesh=mesh, spec=s), mesh,
+                       s, s)
+    x = torch.randn(1, 2, 9, 6, requires_grad=True)
+    for _ in range(3):
+        f(x).sum().backward()
+    assert len(made) == 6  # 3 for the forwards, 3 for the backwards' nodes
+    for _ in range(3):
+        list(map(lambda _: f(x), [0]))  # one level of C recursion deeper
+    assert len(made) == 9
