@@ -350,8 +350,9 @@ class ThreadComm:
             combine([chunks])
             arrival = None
         else:
-            arrival = self._arrive(group, "all_to_all", [c.detach() for c in chunks], name,
-                                   combine)
+            arrival = self._arrive(group, "all_to_all",
+                                   [c.detach() if c.requires_grad else c for c in chunks],
+                                   name, combine)
 
         def finish() -> list[torch.Tensor]:
             cs = [chunks] if arrival is None else self._collect(group, arrival, name)
@@ -436,7 +437,11 @@ class _ThreadWork:
 
 def _copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = t.detach()
-    return t.clone() if t.device == device else t.to(device, copy=True)
+    if t.device != device:
+        return t.to(device, copy=True)
+    # An empty block (an all_to_all's chunk for a member that gets nothing, as most of
+    # a halo exchange's are) has no data to share: a new alias is enough.
+    return t if t.numel() == 0 else t.clone()
 
 
 _REDUCE_INTO = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}

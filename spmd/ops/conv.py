@@ -36,9 +36,12 @@ from ..core.mesh import Mesh
 from ..core.spec import P
 from ..transforms.halo import (
     Fetch,
+    add_rows,
     assemble,
     exchange_async,
     frame,
+    rows_of,
+    take_rows,
     transpose_async,
 )
 from ._window import (
@@ -333,10 +336,9 @@ def _rows(x: torch.Tensor, recvs: list, levels: Sequence[_Level], dim: int):
     """``take`` for a later level's exchange: ``x`` padded along ``levels`` (with what
     arrived), built only at the positions sent along ``dim``."""
     def take(idx: tuple[int, ...]) -> torch.Tensor:
-        at = torch.tensor(idx, dtype=torch.long, device=x.device)
-        t = x.index_select(dim, at)
+        t = take_rows(x, dim, idx)
         for lv, recv in zip(levels, recvs):
-            t = assemble(t, [c.index_select(dim, at) for c in recv], lv.f)
+            t = assemble(t, [rows_of(c, dim, idx) for c in recv], lv.f)
         return t
     return take
 
@@ -396,14 +398,14 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
         for r, need in enumerate(f.plan[3]):
             if f.me not in need:
                 continue
-            at = torch.tensor(need[f.me][1], dtype=torch.long, device=g.device)
+            at = need[f.me][1]
             t, cuts = got[r], []
             for i in reversed(range(j)):
                 lv = levels[i]
                 h = narrowed(halo(i), cuts)
                 for src, dst, n in ((0, 0, lv.pos), (lv.pos + lv.k, lv.pos, lv.width - lv.pos - lv.k)):
                     if n:
-                        h.narrow(lv.dim, dst, n).index_add_(dim, at, t.narrow(lv.dim, src, n))
+                        add_rows(h.narrow(lv.dim, dst, n), dim, at, t.narrow(lv.dim, src, n))
                 t = t.narrow(lv.dim, lv.pos, lv.k)
                 cuts.append((lv.dim, lv.loc, lv.k))
             to_shard.append((dim, at, t, cuts))
@@ -427,7 +429,7 @@ def _framed_backward(fr: _Frame, x: torch.Tensor, recvs: list, weight: torch.Ten
         else:  # the first level's arrivals land in the shard's cotangent, as any fetch's
             gx = back.wait(owned=True, own_grad=gx)
     for dim, at, t, cuts in to_shard:
-        narrowed(gx, cuts).index_add_(dim, at, t)
+        add_rows(narrowed(gx, cuts), dim, at, t)
     if gw is not None:
         for gw_slab in gws:
             gw += gw_slab

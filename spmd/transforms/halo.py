@@ -335,9 +335,18 @@ def exchange_async(x: torch.Tensor, f: Fetch,
     ``x`` that is not built (a window padded along other dims: only its sent rows are)."""
     sizes, _, _, need, _ = f.plan
     n = len(sizes)
-    take = take or (lambda idx: _index(x, f.dim, idx))
-    # What each rank r needs from me, gathered in the order r placed it.
-    chunks = [take(need[r][f.me][1] if f.me in need[r] else ()) for r in range(n)]
+    take = take or (lambda idx: take_rows(x, f.dim, idx))
+    # What each rank r needs from me, gathered in the order r placed it; the members
+    # that need nothing (all but the neighbours) share one empty chunk.
+    none = None
+    chunks = []
+    for r in range(n):
+        if f.me in need[r]:
+            chunks.append(take(need[r][f.me][1]))
+        else:
+            if none is None:
+                none = take(())
+            chunks.append(none)
     counts = [len(need[f.me][s][0]) if s in need[f.me] else 0 for s in range(n)]
     return _exchange_async(chunks, f, counts)
 
@@ -355,7 +364,7 @@ def assemble(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch) -> torch.T
     out = x.new_full(shape, f.value) if const[f.me] else x.new_empty(shape)
     out.narrow(f.dim, pos, k).copy_(x.narrow(f.dim, loc, k))
     for s, (p, _) in need[f.me].items():
-        out.index_copy_(f.dim, torch.tensor(p, dtype=torch.long, device=x.device), recv[s])
+        put_rows(out, f.dim, p, recv[s])
     return out
 
 
@@ -385,11 +394,11 @@ def frame(x: torch.Tensor, recv: Sequence[torch.Tensor], f: Fetch, rows: tuple[i
     shape[f.dim] = rows[1] - rows[0]
     out = x.new_zeros(shape)
     if fill:
-        out.index_fill_(f.dim, torch.tensor(fill, dtype=torch.long, device=x.device), f.value)
+        fill_rows(out, f.dim, tuple(fill), f.value)
     for s, sel in got.items():
         if sel:
-            at = torch.tensor([q for _, q in sel], dtype=torch.long, device=x.device)
-            out.index_copy_(f.dim, at, _index(recv[s], f.dim, tuple(i for i, _ in sel)))
+            put_rows(out, f.dim, tuple(q for _, q in sel),
+                     rows_of(recv[s], f.dim, tuple(i for i, _ in sel)))
     return out
 
 
@@ -421,8 +430,15 @@ def transpose_async(g: torch.Tensor, f: Fetch, apart: bool) -> _Transposing:
     pos, _, k = own[me]
     at = (lambda ps: ps) if not apart else (
         lambda ps: tuple(p if p < pos else p - k for p in ps))  # the shard's block cut out
-    back = [(_index(g, dim, at(need[me][s][0])) if s in need[me] else _empty_like_along(g, dim))
-            for s in range(n)]  # copies, taken before anything is added into g
+    none = None
+    back = []  # copies, taken before anything is added into g
+    for s in range(n):
+        if s in need[me]:
+            back.append(take_rows(g, dim, at(need[me][s][0])))
+        else:  # the members this rank fetched nothing from share one empty chunk
+            if none is None:
+                none = _empty_like_along(g, dim)
+            back.append(none)
     counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
     return _Transposing(g, f, _exchange_async(back, f, counts))
 
@@ -453,8 +469,7 @@ def _transposed(g: torch.Tensor, f: Fetch, got: list[torch.Tensor], owned: bool,
         gx = g.new_zeros(shape)
         gx.narrow(dim, loc, k).copy_(g.narrow(dim, pos, k))
     for r in adds:
-        idx = torch.tensor(need[r][me][1], dtype=torch.long, device=g.device)
-        gx.index_add_(dim, idx, got[r].to(gx.dtype))  # a caller may sum in a wider dtype
+        add_rows(gx, dim, need[r][me][1], got[r].to(gx.dtype))  # a caller may sum wider
     return gx
 
 
@@ -470,8 +485,67 @@ def _exchange_async(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> 
         return comm_of(f.rc.mesh).all_to_all_async(chunks, group, name=f.name, shapes=shapes)
 
 
-def _index(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
-    return t.index_select(dim, torch.tensor(idx, dtype=torch.long, device=t.device))
+# -- rows at planned positions: a run of consecutive positions (every fetch of a halo
+# with zeros, constant or circular padding) is a narrow; others (reflect) an index. An
+# index tensor costs a host-to-device copy (on CPU still ~5 us) per call.
+
+@lru_cache(maxsize=4096)
+def _run_of(idx: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(start, length)`` where ``idx`` are consecutive increasing positions."""
+    n = len(idx)
+    if n and idx[-1] - idx[0] == n - 1 and all(b == a + 1 for a, b in zip(idx, idx[1:])):
+        return idx[0], n
+    return None
+
+
+def _at(idx: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(idx, dtype=torch.long, device=device)
+
+
+def rows_of(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
+    """``t`` at positions ``idx`` along ``dim``: a view where they are a run."""
+    run = _run_of(idx)
+    if run is not None:
+        return t.narrow(dim, run[0], run[1])
+    return t.index_select(dim, _at(idx, t.device))
+
+
+def take_rows(t: torch.Tensor, dim: int, idx: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous copy of ``t`` at positions ``idx`` along ``dim`` (as
+    ``index_select``)."""
+    run = _run_of(idx)
+    if run is not None:
+        return t.narrow(dim, run[0], run[1]).clone(memory_format=torch.contiguous_format)
+    if not idx:
+        return _empty_like_along(t, dim)
+    return t.index_select(dim, _at(idx, t.device))
+
+
+def put_rows(out: torch.Tensor, dim: int, idx: tuple[int, ...], src: torch.Tensor) -> None:
+    """``out`` at positions ``idx`` along ``dim`` = ``src`` (as ``index_copy_``)."""
+    run = _run_of(idx)
+    if run is not None:
+        out.narrow(dim, run[0], run[1]).copy_(src)
+    elif idx:
+        out.index_copy_(dim, _at(idx, out.device), src)
+
+
+def add_rows(out: torch.Tensor, dim: int, idx: tuple[int, ...], src: torch.Tensor) -> None:
+    """``out`` at positions ``idx`` along ``dim`` += ``src`` (as ``index_add_``)."""
+    run = _run_of(idx)
+    if run is not None:
+        out.narrow(dim, run[0], run[1]).add_(src)
+    elif idx:
+        out.index_add_(dim, _at(idx, out.device), src)
+
+
+def fill_rows(out: torch.Tensor, dim: int, idx: tuple[int, ...], value: float) -> None:
+    """``out`` at positions ``idx`` along ``dim`` = ``value`` (as ``index_fill_``)."""
+    run = _run_of(idx)
+    if run is not None:
+        out.narrow(dim, run[0], run[1]).fill_(value)
+    elif idx:
+        out.index_fill_(dim, _at(idx, out.device), value)
 
 
 def _empty_like_along(t: torch.Tensor, dim: int) -> torch.Tensor:
