@@ -82,10 +82,12 @@ def per_rank_backward() -> None:
         return
     if run.nodes:
         raise SpecError(
-            "a model made by spmd.nn.convert runs in a shard_map body on rank greenlets "
-            "after spmd collectives that need gradients: its backward runs per rank, theirs "
-            "as one pass over all ranks, and one call cannot do both; run this shard_map on "
-            "Mesh(..., schedule='threads'), or call the converted model first")
+            "a model made by spmd.nn.convert whose forward leaves code to backward (an "
+            "activation checkpoint's recompute, a tensor hook) runs in a shard_map body on "
+            "rank greenlets after spmd collectives that need gradients: its backward runs "
+            "per rank, theirs as one pass over all ranks, and one call cannot do both; run "
+            "this shard_map on Mesh(..., schedule='threads'), or call the converted model "
+            "first")
     run.per_rank_backward = True
 
 

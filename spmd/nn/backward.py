@@ -256,6 +256,8 @@ class Regions:
         local = frame.f_locals
         reentrant = local.get("use_reentrant")
         pushed = None if reentrant or not torch.is_grad_enabled() else _Pushed(run, rng=True)
+        if pushed is not None or (run.planning and not reentrant):
+            run.leaves_backward_code()  # a plan made without grad: a later call has it
         region = (frame, pushed)
         self.regions[id(frame)] = region
         if run.plan is not None and reentrant:

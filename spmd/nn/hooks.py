@@ -97,6 +97,7 @@ def tensor_hook(c: Any) -> Any:
     entries = c.ent(h)
     where = run.where()
     hook = _Hook(run, fn, entries, where)
+    run.leaves_backward_code()
     if run.planning:
         g = torch.empty(h.shape, dtype=h.dtype, device="meta")
         set_tag(g, run.mesh, entries)

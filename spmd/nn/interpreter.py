@@ -100,6 +100,9 @@ class Plan:
     layouts: list[tuple[str, str]] = field(default_factory=list)
     #: (kind, call, where) of every step a real call must run in this order (``steps.py``).
     steps: list[tuple[str, str, str]] = field(default_factory=list)
+    #: The forward leaves code to backward that runs under the conversion (a checkpoint
+    #: region's recompute, a tensor hook), which communicates outside custom_vjp rules.
+    backward_code: bool = False
 
     @property
     def refused(self) -> list[_Entry]:
@@ -217,10 +220,14 @@ class _Run:
     def start(self) -> None:
         self.base = _user_frame()  # the model's caller: lines there are not the forward's
         _local.run = self
-        if not self.planning and torch.is_grad_enabled():
-            # Its backward pushes this conversion again on each rank (checkpoint
+        plan = self.expected
+        if not self.planning and torch.is_grad_enabled() and (
+                plan is None or plan.backward_code or plan.incomplete):
+            # Its backward may push this conversion again on each rank (checkpoint
             # recomputes, tensor hooks: backward.py), whose calls communicate outside
             # custom_vjp rules: on rank greenlets, the ranks' backwards run per rank.
+            # Decided here, before any node over the ranks is made; where the plan saw
+            # none and followed the whole forward, the backward is one pass.
             per_rank_backward()
         self._prev_converting = _context.set_converting(True)
         self.mode.__enter__()
@@ -232,6 +239,16 @@ class _Run:
             _context.set_converting(self._prev_converting)
             _local.run = None
             self.regions.close()
+
+    def leaves_backward_code(self) -> None:
+        """The forward leaves code to backward that runs under this conversion: the
+        plan says so; a real call's ranks run their backwards per rank (``start``
+        decided so from the plan; where the plan did not see it, this call refuses
+        once nodes over the ranks exist rather than run a wrong backward)."""
+        if self.plan is not None:
+            self.plan.backward_code = True
+        if not self.planning and torch.is_grad_enabled():
+            per_rank_backward()
 
     def suspend(self) -> None:
         self.suspended += 1

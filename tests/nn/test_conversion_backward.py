@@ -407,3 +407,46 @@ def test_checkpoint_trains_like_one_device_world2(gloo2):
                                    atol=1e-10)
         for p, q in zip(params, one.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-10, atol=1e-10)
+
+
+def _weighted(y):
+    return (y * torch.arange(1.0, y.numel() + 1, dtype=y.dtype).view(y.shape)).sum()
+
+
+def test_without_backward_code_a_converted_model_is_in_the_one_backward_pass():
+    """On rank greenlets a converted forward that leaves no code to backward (no
+    checkpoint, no tensor hook; its plan says so) is differentiated in shard_map's one
+    pass over every rank, so it may follow a sum that needs gradients in the same body.
+    float64 against one device, 1e-10 (sharded sums are reordered)."""
+    model = Fn(lambda m, t: torch.relu(m.layers[0](t)), nn.Conv2d(3, 2, 3, padding=1)).double()
+    mesh = spmd.Mesh((4,), ("sp",), schedule="greenlets")
+    conv = spmd.nn.convert(model, mesh, H)
+    x = _x(2, 3, 37, 5).requires_grad_()
+    y = spmd.shard_map(lambda t: conv(t * spmd.psum(t.sum(), "sp")), mesh, H, H)(x)
+    _weighted(y).backward()
+    assert conv.spmd_plan.backward_code is False
+    ref = x.detach().clone().requires_grad_()
+    want = model(ref * ref.sum())
+    _weighted(want).backward()
+    torch.testing.assert_close(y.detach(), want.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-10, atol=1e-10)
+    for p, q in zip(conv.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "tensor hook"])
+def test_backward_code_after_a_sum_that_needs_gradients_is_refused_on_greenlets(kind):
+    """A checkpoint's recompute or a tensor hook runs per rank in backward: after a sum
+    that needs gradients (one node over every rank) the call cannot do both, and says
+    so on every rank before the model runs."""
+    model = _model("Conv2d", False)[0] if kind == "checkpoint" else _hooked(lambda g: g * 2)
+    mesh = spmd.Mesh((4,), ("sp",), schedule="greenlets")
+    conv = spmd.nn.convert(model, mesh, H, example=(2, 3, 37, 5))
+    assert conv.spmd_plan.backward_code is True
+    out = H if kind == "checkpoint" else P()
+    x = _x(2, 3, 37, 5).requires_grad_()
+    with pytest.raises(spmd.SpecError, match="leaves code to backward.*call the converted "
+                                             "model first"):
+        spmd.shard_map(lambda t: conv(t * spmd.psum(t.sum(), "sp")), mesh, H, out)(x)
+    # called first, it trains like one device (its backward per rank)
+    assert_matches_single_device(conv, model, mesh, H, out, x.detach())
