@@ -353,7 +353,7 @@ class ThreadComm:
             arrival = None
         else:
             arrival = self._arrive(group, "all_to_all",
-                                   [c.detach() if c.requires_grad else c for c in chunks],
+                                   [c.detach() for c in chunks],
                                    name, combine)
 
         def finish() -> list[torch.Tensor]:
