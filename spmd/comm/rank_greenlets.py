@@ -115,7 +115,8 @@ class _Run:
         self.baseline = guards()
         workers = _take_workers(len(self.ranks), self.pool)
         for r, w in zip(self.ranks, workers):
-            w.parent = self.main
+            if w is not None:
+                w.parent = self.main
             self.lets[r] = w
         try:
             self.loop()
@@ -217,15 +218,21 @@ class _Run:
         """Run rank ``r`` until it waits, finishes or fails; then lift its torch state."""
         put(self.states[r])
         exc = self.throw.pop(r, None)
+        got = None
         try:
             if exc is None:
                 # a worker waiting for a job takes (run, rank); one waiting in a
                 # collective ignores it
-                got = _enter(self.lets[r], (self, r))
+                w = self.lets[r]
+                if w is None:  # started here, where its jobs come from
+                    w = self.lets[r] = _new_worker(self.main)
+                    _enter(w, None)
+                got = _enter(w, (self, r))
                 if got is _MOVED:  # a pooled worker made where the stack was otherwise
-                    self.lets[r].throw()  # ends it
-                    self.lets[r] = _new_worker()
-                    got = _enter(self.lets[r], (self, r))
+                    w.throw()  # ends it
+                    w = self.lets[r] = _new_worker(self.main)
+                    _enter(w, None)
+                    got = _enter(w, (self, r))
             else:
                 got = self.lets[r].throw(exc)
         finally:
@@ -304,16 +311,16 @@ class _Point:
 # condition. A greenlet's C stack continues, past its first frame, into the frames of
 # whoever started it, as they were then; C++ code that walks the whole stack (torch
 # records a backtrace in every error it raises) reads those frames. Where a worker runs
-# again with the stack at another depth (made in a backward's node, run in a forward),
-# that memory holds other frames, and the walk crashes the process. A worker is
-# therefore only reused from where it was made: at each job it compares what the switch
-# in saved of its parent's stack with what it saved when the worker was made
-# (greenlet's ``_stack_saved``; equal only at the same depth), and answers ``_MOVED``
-# where they differ: the run ends it and makes a new one.
+# again with the stack at another depth (made in a backward's node, run in a forward;
+# or a call through C code), that memory holds other frames, and the walk crashes the
+# process. So a worker is started where its jobs come from (``_Run._turn``), and only
+# reused from the same depth: at each job it compares what the switch in saved of its
+# parent's stack with what the switch of its first job saved (greenlet's
+# ``_stack_saved``; equal only at the same depth), and answers ``_MOVED`` where they
+# differ: the run ends it and starts a new one.
 
 _DONE = object()  # what a worker greenlet says when its rank's program has finished
 _MOVED = object()  # what a pooled worker says when switched to from another stack depth
-_CALIBRATE = object()
 
 
 def _saved(g: greenlet) -> int | None:
@@ -321,47 +328,43 @@ def _saved(g: greenlet) -> int | None:
 
 
 def _enter(w: greenlet, job: Any) -> Any:
-    # The one place a worker is switched to from its run: the stack depth a worker is
-    # measured at is the one its jobs come from.
+    # The one place a run switches to a worker: its start and its jobs come from one
+    # stack depth.
     return w.switch(job)
 
 
-def _work(job: Any) -> None:
-    """A worker greenlet's life: learn where it was made, then run rank programs."""
+def _work(_: Any) -> None:
+    """A worker greenlet's life: run rank programs, each switched in from where the
+    first one was."""
     me = getcurrent()
-    job = me.parent.switch(None)  # made by _new_worker: the second switch in measures
+    job = me.parent.switch(None)  # started: wait for the first job
     home = _saved(me.parent)
-    job = me.parent.switch(None)
     while True:
-        if home is None or _saved(me.parent) != home:
-            job = me.parent.switch(_MOVED)
-            continue
         run, rank = job
         run._body(rank)
         del run
         job = me.parent.switch(_DONE)
+        while not home or _saved(me.parent) != home:  # 0: no way to tell a shallower depth
+            job = me.parent.switch(_MOVED)
 
 
-def _new_worker() -> greenlet:
-    w = greenlet(_work)
-    _enter(w, _CALIBRATE)  # starts it
-    _enter(w, _CALIBRATE)  # a switch in from a run, measured
-    return w
+def _new_worker(parent: greenlet) -> greenlet:
+    return greenlet(_work, parent)
 
 
 _pool = threading.local()  # idle workers of this OS thread (a greenlet stays on its own)
 
 
-def _take_workers(n: int, pool: str) -> list[greenlet]:
-    """``n`` workers: pooled ones (checked at their first job) and new ones. Runs made
+def _take_workers(n: int, pool: str) -> list[greenlet | None]:
+    """``n`` workers: pooled ones (checked at their next job), None for the rest. Runs made
     inside a backward (``run_ranks``) keep a pool of their own: their stack depth is
     another than the forward's."""
     pools = getattr(_pool, "idle", None)
     if pools is None:
         pools = _pool.idle = {}
     idle = pools.setdefault(pool, [])
-    got = [idle.pop() for _ in range(min(n, len(idle)))]
-    return got + [_new_worker() for _ in range(n - len(got))]
+    got: list[greenlet | None] = [idle.pop() for _ in range(min(n, len(idle)))]
+    return got + [None] * (n - len(got))  # None: the run starts a new one
 
 
 def _give_back(workers: list[greenlet], pool: str) -> None:

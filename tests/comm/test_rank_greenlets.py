@@ -302,7 +302,7 @@ def test_workers_are_kept_between_runs_from_one_depth_and_made_again_at_another(
     import spmd.comm.rank_greenlets as rg
     made = []
     new = rg._new_worker
-    monkeypatch.setattr(rg, "_new_worker", lambda: made.append(1) or new())
+    monkeypatch.setattr(rg, "_new_worker", lambda parent: made.append(1) or new(parent))
     monkeypatch.setattr(rg, "_pool", __import__("threading").local())  # an empty pool
     mesh = spmd.Mesh((3,), ("sp",))
     s = P(None, None, "sp")
