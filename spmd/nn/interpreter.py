@@ -17,6 +17,7 @@ Before the first real call with a given input signature, the forward runs on met
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections import Counter
@@ -438,8 +439,15 @@ def _user_frame():
     """The innermost frame of code that is neither torch's nor spmd's."""
     f = inspect.currentframe()
     while f is not None:
-        fn = os.path.abspath(f.f_code.co_filename)
-        if not (fn.startswith(_TORCH_DIR) or fn.startswith(_SPMD_DIR)):
+        if not _library_file(f.f_code.co_filename):
             return f
         f = f.f_back
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_file(name: str) -> bool:
+    """Whether code from file ``name`` is torch's or spmd's (asked for every frame of
+    every call a converted forward makes: cached)."""
+    fn = os.path.abspath(name)
+    return fn.startswith(_TORCH_DIR) or fn.startswith(_SPMD_DIR)
