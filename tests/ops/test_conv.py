@@ -362,8 +362,10 @@ def _record(monkeypatch, on_rank, label) -> list:
         return g
 
     monkeypatch.setattr(ThreadComm, "all_to_all_async", rec_start)
-    monkeypatch.setattr(conv_mod, "_conv_at", rec("conv", conv_mod._conv_at))
-    monkeypatch.setattr(conv_mod, "_conv_bwd_at", rec("bwd", conv_mod._conv_bwd_at))
+    from spmd.ops import framed_conv
+    for mod in (conv_mod, framed_conv):  # the window path's local conv and the framed one
+        monkeypatch.setattr(mod, "conv_at", rec("conv", framed_conv.conv_at))
+        monkeypatch.setattr(mod, "conv_bwd_at", rec("bwd", framed_conv.conv_bwd_at))
     return events
 
 
@@ -399,13 +401,13 @@ def test_the_halo_exchange_overlaps_the_shards_own_conv(monkeypatch):
 def _levels_seen(monkeypatch) -> list:
     """How many levels each framed conv had (None: the window path ran), on every rank."""
     from spmd.ops import conv as conv_mod
-    seen, plan = [], conv_mod._frame_plan
+    seen, plan = [], conv_mod.frame_plan
 
     def spy(*args):
         fr = plan(*args)
         seen.append(None if fr is None else len(fr.levels))
         return fr
-    monkeypatch.setattr(conv_mod, "_frame_plan", spy)
+    monkeypatch.setattr(conv_mod, "frame_plan", spy)
     return seen
 
 
