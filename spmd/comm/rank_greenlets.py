@@ -224,14 +224,12 @@ class _Run:
                 # a worker waiting for a job takes (run, rank); one waiting in a
                 # collective ignores it
                 w = self.lets[r]
-                if w is None:  # started here, where its jobs come from
+                got = _MOVED if w is None else _enter(w, (self, r))
+                if got is _MOVED:  # none yet, or one made where the stack was otherwise
+                    if w is not None:
+                        w.throw()  # ends it
                     w = self.lets[r] = _new_worker(self.main)
-                    _enter(w, None)
-                got = _enter(w, (self, r))
-                if got is _MOVED:  # a pooled worker made where the stack was otherwise
-                    w.throw()  # ends it
-                    w = self.lets[r] = _new_worker(self.main)
-                    _enter(w, None)
+                    _enter(w, None)  # started here, where its jobs come from
                     got = _enter(w, (self, r))
             else:
                 got = self.lets[r].throw(exc)

@@ -352,9 +352,8 @@ class ThreadComm:
             combine([chunks])
             arrival = None
         else:
-            arrival = self._arrive(group, "all_to_all",
-                                   [c.detach() for c in chunks],
-                                   name, combine)
+            arrival = self._arrive(group, "all_to_all", [c.detach() for c in chunks], name,
+                                   combine)
 
         def finish() -> list[torch.Tensor]:
             cs = [chunks] if arrival is None else self._collect(group, arrival, name)

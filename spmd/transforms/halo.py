@@ -336,17 +336,9 @@ def exchange_async(x: torch.Tensor, f: Fetch,
     sizes, _, _, need, _ = f.plan
     n = len(sizes)
     take = take or (lambda idx: take_rows(x, f.dim, idx))
-    # What each rank r needs from me, gathered in the order r placed it; the members
-    # that need nothing (all but the neighbours) share one empty chunk.
-    none = None
-    chunks = []
-    for r in range(n):
-        if f.me in need[r]:
-            chunks.append(take(need[r][f.me][1]))
-        else:
-            if none is None:
-                none = take(())
-            chunks.append(none)
+    # What each rank r needs from me, gathered in the order r placed it.
+    chunks = _chunks(n, lambda r: need[r][f.me][1] if f.me in need[r] else None, take,
+                     lambda: take(()))
     counts = [len(need[f.me][s][0]) if s in need[f.me] else 0 for s in range(n)]
     return _exchange_async(chunks, f, counts)
 
@@ -430,15 +422,9 @@ def transpose_async(g: torch.Tensor, f: Fetch, apart: bool) -> _Transposing:
     pos, _, k = own[me]
     at = (lambda ps: ps) if not apart else (
         lambda ps: tuple(p if p < pos else p - k for p in ps))  # the shard's block cut out
-    none = None
-    back = []  # copies, taken before anything is added into g
-    for s in range(n):
-        if s in need[me]:
-            back.append(take_rows(g, dim, at(need[me][s][0])))
-        else:  # the members this rank fetched nothing from share one empty chunk
-            if none is None:
-                none = _empty_like_along(g, dim)
-            back.append(none)
+    back = _chunks(n, lambda s: at(need[me][s][0]) if s in need[me] else None,
+                   lambda ps: take_rows(g, dim, ps),  # copies, before anything is added
+                   lambda: _empty_like_along(g, dim))
     counts = [len(need[r][me][1]) if me in need[r] else 0 for r in range(n)]
     return _Transposing(g, f, _exchange_async(back, f, counts))
 
@@ -471,6 +457,24 @@ def _transposed(g: torch.Tensor, f: Fetch, got: list[torch.Tensor], owned: bool,
     for r in adds:
         add_rows(gx, dim, need[r][me][1], got[r].to(gx.dtype))  # a caller may sum wider
     return gx
+
+
+def _chunks(n: int, positions: Callable[[int], tuple[int, ...] | None],
+            take: Callable[[tuple[int, ...]], torch.Tensor],
+            empty: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """An exchange's chunk for each of ``n`` members: ``take`` of its ``positions``; the
+    members given None (all but the neighbours) share one ``empty`` chunk."""
+    none = None
+    out = []
+    for r in range(n):
+        ps = positions(r)
+        if ps is None:
+            if none is None:
+                none = empty()
+            out.append(none)
+        else:
+            out.append(take(ps))
+    return out
 
 
 def _exchange_async(chunks: list[torch.Tensor], f: Fetch, counts: list[int]) -> Pending:
