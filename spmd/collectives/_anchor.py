@@ -9,30 +9,28 @@ from __future__ import annotations
 import torch
 
 from ..comm.threads import _tls as _comm_tls
-from ..core._local import RankLocal
-
-_local = RankLocal()
+from ..core._bodies import NO_TRACE, Body, bodies
 
 
 class collect_anchors:
     """Collect the anchors that collectives create on this thread (see ``anchor``)."""
 
     def __enter__(self) -> list:
-        stack = anchor_stack()
-        stack.append([])
-        return stack[-1]
+        body = Body(None, (), [], NO_TRACE)
+        bodies().append(body)
+        return body.anchors
 
     def __exit__(self, *exc) -> None:
-        _local.stack.pop()
+        bodies().pop()
 
 
-def anchor_stack() -> list[list]:
-    """This thread's (or rank greenlet's) anchor lists, innermost last: shard_map
-    pushes one per body; ``collect_anchors`` does the same around other code."""
-    stack = _local.get("stack")
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+def hand_up(anchors: list) -> None:
+    """Give ``anchors`` to the innermost enclosing body that keeps anchors (shard_map's
+    in grad mode, whose backward asks for their gradients), if any."""
+    for body in reversed(bodies()):
+        if body.anchors is not None:
+            body.anchors.extend(anchors)
+            return
 
 
 def anchor(x):
@@ -57,7 +55,5 @@ def anchor(x):
         a = x.detach().requires_grad_()
     except RuntimeError:  # inside a torch.func transform, which refuses requires_grad_
         return x
-    stack = _local.get("stack")
-    if stack:
-        stack[-1].append(a)
+    hand_up([a])
     return a

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ._bodies import NO_TRACE, bodies
 from ._local import RankLocal
 from .errors import SpecError
 
@@ -216,20 +217,14 @@ class LayoutTrace:
         self.recorded.append((key, value))
 
 
-def trace_stack() -> list:
-    """The layout traces of the shard_map bodies this thread (or rank greenlet) runs,
-    innermost last: shard_map pushes and pops its own."""
-    t = _local.get("traces")
-    if t is None:
-        t = _local.traces = []
-    return t
-
-
 def current_trace(mesh: Mesh) -> LayoutTrace | None:
-    """The innermost shard_map body's trace on ``mesh`` running on this thread, if any."""
-    for t in reversed(trace_stack()):
-        if t.mesh is mesh:
-            return t
+    """The innermost traced shard_map body's trace on ``mesh`` running on this thread,
+    if any (made at the body's first size exchange)."""
+    for b in reversed(bodies()):
+        if b.mesh is mesh and b.cached is not NO_TRACE:
+            if b.trace is None:
+                b.trace = LayoutTrace(mesh, b.cached)
+            return b.trace
     return None
 
 

@@ -15,30 +15,19 @@ from typing import Any
 
 import optree
 
-from ._local import RankLocal
+from ._bodies import bodies
 from . import _tree
 from .errors import SpecError
 from .layout import Layout
 from .mesh import Mesh
 from .spec import P
 
-__all__ = ["nesting_stack", "enclosing_axes", "spec_axes", "check_nested", "refuse_nested_grad"]
-
-_local = RankLocal()  # each rank thread runs its own body
-
-
-def nesting_stack() -> list[tuple[Mesh, tuple[str, ...]]]:
-    """The (mesh, axes) of the shard_map bodies this thread (or rank greenlet) runs,
-    innermost last: shard_map pushes and pops its own entry."""
-    st = _local.get("stack")
-    if st is None:
-        st = _local.stack = []
-    return st
+__all__ = ["enclosing_axes", "spec_axes", "check_nested", "refuse_nested_grad"]
 
 
 def enclosing_axes(mesh: Mesh) -> tuple[str, ...]:
     """The axes of ``mesh`` the enclosing shard_map bodies are mapped over (mesh order)."""
-    used = {a for m, axes in nesting_stack() if m is mesh for a in axes}
+    used = {a for b in bodies() if b.mesh is mesh for a in b.axes}
     return tuple(a for a in mesh.axis_names if a in used)
 
 

@@ -29,20 +29,26 @@ from .errors import SpecError
 from .layout import Layout
 from .spec import P, entry_axes
 
-__all__ = ["mark", "marked", "check_spec", "describe_layout"]
+__all__ = ["mark", "marked", "check_spec", "describe_layout", "MARK", "mark_value"]
 
-_ATTR = "_spmd_origin"  # not nn._tags' "_spmd_layout": that one is per converted forward
+MARK = "_spmd_origin"  # not nn._tags' "_spmd_layout": that one is per converted forward
+
+
+def mark_value(layout: Layout, shape: tuple[int, ...]) -> tuple:
+    """What ``mark`` sets on a shard of ``layout`` with ``shape``: shard_map makes it once
+    per layout and rank and sets it itself (``setattr(t, MARK, value)``)."""
+    return (layout, tuple(shape))
 
 
 def mark(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Record that ``t`` is a shard of ``layout`` (returns ``t``)."""
-    setattr(t, _ATTR, (layout, tuple(t.shape)))
+    setattr(t, MARK, mark_value(layout, t.shape))
     return t
 
 
 def marked(t: torch.Tensor) -> Layout | None:
     """The layout ``t`` was marked with, if it still has its marked shape."""
-    got = getattr(t, _ATTR, None)
+    got = getattr(t, MARK, None)
     if got is None or got[1] != tuple(t.shape):
         return None
     return got[0]

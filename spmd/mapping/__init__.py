@@ -23,25 +23,19 @@ from typing import Any
 import optree
 import torch
 
-from ..collectives._anchor import anchor_stack
 from ..collectives.compiled import prepare
 from ..comm import comm_of, validating
 from ..comm._torch_state import functorch_active as _functorch
 from ..comm.rank_threads import run_on_threads
 from ..core import _tree
-from ..core._context import (
-    LayoutTrace,
-    RankContext,
-    in_rank_of,
-    trace_stack,
-    refuse_sparse,
-)
+from ..core._context import RankContext, in_rank_of, refuse_sparse
 from ..core._format import describe
-from ..core._nesting import check_nested, nesting_stack, refuse_nested_grad, spec_axes
+from ..core._bodies import NO_TRACE, Body, bodies
+from ..core._nesting import check_nested, refuse_nested_grad, spec_axes
 from ..core.errors import SpecError
 from ..core.layout import Layout
 from ..core.mesh import Mesh, check_mesh
-from ..core.provenance import mark
+from ..core.provenance import MARK, mark, mark_value
 from ..core.spec import P
 from ..transforms.sharded import Sharded, cat_plan
 from ._agreement import _check_call_agrees, _check_same_across
@@ -49,6 +43,8 @@ from ._graph import _Node, _next_node_number
 from ._state import _State, _layout_for, _leaf_key, _shard_of, _sharded_layout
 
 __all__ = ["shard_map"]
+
+_NOTHING: list = []  # a call's trace where its body made no size exchange (never changed)
 
 
 def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
@@ -146,16 +142,21 @@ class _Signature:
     """What a call's argument structure decides, computed once per structure: the input
     layouts, the axes the body is mapped over, and where each rank's shard lies."""
 
-    __slots__ = ("layouts", "axes_mapped", "cuts", "copies", "sharded")
+    __slots__ = ("layouts", "axes_mapped", "cuts", "copies", "sharded", "flat")
 
-    def __init__(self, mesh: Mesh, leaves: list, layouts: list, out_axes: frozenset):
+    def __init__(self, mesh: Mesh, leaves: list, treedef: Any, layouts: list,
+                 out_axes: frozenset):
         self.layouts = layouts
         used = out_axes | {a for lay in layouts if lay is not None for a in lay.spec.axes}
         self.axes_mapped = tuple(a for a in mesh.axis_names if a in used)
         self.sharded = [i for i, x in enumerate(leaves) if isinstance(x, Sharded)]
-        # (leaf, layout, per rank: the (dim, start, length) narrows that cut its shard)
+        # the arguments are a tuple of leaves: a rank's are tuple(leaves), no unflatten
+        self.flat = treedef.num_nodes == treedef.num_leaves + 1
+        # (leaf, layout, per rank: the (dim, start, length) narrows that cut its shard,
+        # per rank: its provenance mark)
         self.cuts = [(i, lay, [tuple((d, lay.offsets(r)[d], lay.local_shape(r)[d])
-                                     for d in lay.split_dims) for r in range(mesh.size)])
+                                     for d in lay.split_dims) for r in range(mesh.size)],
+                      [mark_value(lay, lay.local_shape(r)) for r in range(mesh.size)])
                      for i, lay in enumerate(layouts)
                      if lay is not None and not isinstance(leaves[i], Sharded)]
         # Rank threads share the caller's tensors: a replica other than the first gets a
@@ -217,7 +218,8 @@ class _ShardMap:
                                         f"the argument is {describe(x)}, not a tensor; only "
                                         f"tensors can be split (use P() or None)")
                     layouts.append(None)
-            hit = self._in_cache[key] = _Signature(self.mesh, leaves, layouts, self._out_axes)
+            hit = self._in_cache[key] = _Signature(self.mesh, leaves, treedef, layouts,
+                                                   self._out_axes)
             if len(self._in_cache) > 64:
                 self._in_cache.pop(next(iter(self._in_cache)))
         return leaves, treedef, hit
@@ -254,12 +256,13 @@ class _ShardMap:
     # -- the call ---------------------------------------------------------------------------
 
     def __call__(self, args: tuple) -> Any:
-        _refuse_functorch()
+        if _functorch():
+            _refuse_functorch()
         leaves, treedef, sig = self._in_layouts(args)
         layouts = sig.layouts
         grad_on = torch.is_grad_enabled()
         diff = [i for i, x in enumerate(leaves)
-                if isinstance(x, torch.Tensor) and x.requires_grad and grad_on]
+                if isinstance(x, torch.Tensor) and x.requires_grad] if grad_on else []
         per_rank = in_rank_of(self.mesh)
         # Nested in a body on this mesh: refused over the body's axes (specs only, the
         # same on every rank, before any message); over other axes, without gradients.
@@ -294,24 +297,12 @@ class _ShardMap:
         tkey = self._trace_key(treedef, leaves, layouts)
         cuts, f, mesh = sig.cuts, self.f, self.mesh
 
-        def run_rank(rank: int):
-            if tkey is None:
-                return body_rank(rank)
-            trace = LayoutTrace(mesh, self._traces.get((tkey, rank)))
-            traces = trace_stack()
-            traces.append(trace)
-            try:
-                out = body_rank(rank)
-            finally:
-                traces.pop()
-            if trace.recorded != trace.cached:  # steady state: the same list, no lock
-                self._keep_trace((tkey, rank), trace.recorded)
-            return out
+        flat = sig.flat
 
-        def body_rank(rank: int):
+        def run_rank(rank: int):
             local_g, local_s = [], []
             loc = list(detached)
-            for i, lay, by_rank in cuts:
+            for i, lay, by_rank, marks in cuts:
                 t = copies.get((i, rank)) if copies else None
                 if t is None:
                     t = detached[i]
@@ -320,7 +311,8 @@ class _ShardMap:
                 if i in diff_set:
                     t = t.requires_grad_()
                     local_g.append(t)
-                mark(t, lay)  # ops check their spec= against it (core/provenance.py)
+                # ops check their spec= against it (core/provenance.py)
+                setattr(t, MARK, marks[rank])
                 loc[i] = t
             for i in sharded:
                 t = copies.get((i, rank)) if copies else None
@@ -331,28 +323,30 @@ class _ShardMap:
                     local_s.append(t)
                 mark(t, layouts[i])
                 loc[i] = t
-            args_local = optree.tree_unflatten(treedef, loc)
-            local_in = local_g + local_s
-            nest = nesting_stack()
-            nest.append((mesh, axes_mapped))
+            args_local = loc if flat else optree.tree_unflatten(treedef, loc)
+            # nesting, anchors (grad mode) and the sizes the last call's exchanges learnt
+            body = Body(mesh, axes_mapped, [] if grad_on else None,
+                        NO_TRACE if tkey is None else self._traces.get((tkey, rank)))
+            stack = bodies()
+            stack.append(body)
             try:
                 if not grad_on:  # rank threads start with grad mode on
                     with torch.no_grad():
-                        return f(*args_local), local_in, []
-                if per_rank or rank == 0:  # the body's nodes are numbered from here
-                    # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
-                    # thread, whose numbers those of the caller's own nodes are comparable to
-                    seq0[rank] = _next_node_number()
-                anchors: list = []
-                held = anchor_stack()
-                held.append(anchors)
-                try:
+                        out = f(*args_local)
+                else:
+                    if per_rank or rank == 0:  # the body's nodes are numbered from here
+                        # (see _keep_graph); on a threads mesh rank 0 runs on the caller's
+                        # thread, whose numbers those of the caller's own nodes are
+                        # comparable to
+                        seq0[rank] = _next_node_number()
                     out = f(*args_local)
-                finally:
-                    held.pop()
-                return out, local_in, anchors
             finally:
-                nest.pop()
+                stack.pop()
+            if tkey is not None:
+                got = _NOTHING if body.trace is None else body.trace.recorded
+                if got != body.cached:  # steady state: the same list, no lock
+                    self._keep_trace((tkey, rank), got)
+            return out, local_g + local_s, body.anchors or []
 
         report = {"per_rank_backward": False}
         if per_rank:
@@ -373,7 +367,7 @@ class _ShardMap:
                     self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank")))
             ranks = list(range(self.mesh.size))
 
-        outs = {r: _tree.flatten(results[r][0]) for r in ranks}
+        outs = {r: _flat_out(results[r][0]) for r in ranks}
         out_def = outs[ranks[0]][1]
         for r in ranks[1:]:
             if outs[r][1] != out_def:
@@ -385,13 +379,15 @@ class _ShardMap:
             tree = results[ranks[0]][0]
             hit = self._out_spec_cache[out_def] = (
                 _tree.match_specs(self.out_specs, tree, "out_specs", "out"),
-                optree.tree_paths(tree, none_is_leaf=True, namespace="spmd"))
-        out_specs, out_paths = hit
+                [_tree.keystr("out", p)
+                 for p in optree.tree_paths(tree, none_is_leaf=True, namespace="spmd")])
+        out_specs, out_names = hit
         state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
-                       [outs[r][0] for r in ranks], out_specs, out_paths, per_rank)
+                       [outs[r][0] for r in ranks], out_specs, out_names, per_rank)
         state.sdiff = sdiff
         state.sharded_inputs = named
-        state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks]
+        state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks] \
+            if sdiff else [()] * len(ranks)
         state.anchors = [results[r][2] for r in ranks]
         state.seq0 = seq0.get(ranks[0])
         state.green = not per_rank and self.schedule == "greenlets" and \
@@ -448,12 +444,19 @@ class _ShardMap:
         return named
 
 
+_LEAF = _tree.flatten(torch.empty(0))[1]
+
+
+def _flat_out(out: Any) -> tuple[list, Any]:
+    """A body's output flattened (one tensor, the common case, without optree)."""
+    return ([out], _LEAF) if isinstance(out, torch.Tensor) else _tree.flatten(out)
+
+
 def _refuse_functorch() -> None:
     """torch.func's transforms follow tensors on the calling thread: under them the rank
     threads saw unwrapped tensors (grad and vmap failed deep inside functorch, and jvp
-    returned a zero tangent, silently). A tensor refuses requires_grad_ exactly there."""
-    if not _functorch():  # the common case, in one call
-        return
+    returned a zero tangent, silently). Called where one is active (``_functorch()``); a
+    tensor refuses requires_grad_ exactly under those that follow tensors."""
     try:
         torch.empty(0).requires_grad_()
     except RuntimeError as e:

@@ -10,7 +10,6 @@ import torch
 from ..comm import comm_of, validating
 from ..comm.rank_threads import run_on_threads, take_turn
 from ..comm.stats import in_backward
-from ..core import _tree
 from ..core._context import RankContext, one_pass
 from ..core._format import describe, shape_str
 from ..core.errors import SpecError
@@ -62,12 +61,13 @@ class _State:
     """Everything one shard_map call needs for assembly and backward."""
 
     def __init__(self, sm, ranks, global_leaves, in_layouts, diff, local_ins, local_outs,
-                 out_specs, out_paths, per_rank):
+                 out_specs, out_names, per_rank):
         self.sm, self.mesh, self.ranks = sm, sm.mesh, ranks
         self.global_leaves = global_leaves
         self.in_layouts, self.diff = in_layouts, diff
         self.local_ins, self.local_outs = local_ins, local_outs
-        self.out_specs, self.out_paths, self.per_rank = out_specs, out_paths, per_rank
+        # out_names: each output's name in messages ("out[0]")
+        self.out_specs, self.out_names, self.per_rank = out_specs, out_names, per_rank
         self.out_layouts: list[Layout | None] = []
         self.params: list[torch.Tensor] = []
         self.green = False  # the forward ran on rank greenlets: one backward pass
@@ -90,7 +90,7 @@ class _State:
         mesh = self.mesh
         out, pending = [], []
         for k, spec in enumerate(self.out_specs):
-            where = _tree.keystr("out", self.out_paths[k])
+            where = self.out_names[k]
             vals = [outs[k] for outs in self.local_outs]
             if not isinstance(vals[0], torch.Tensor):
                 if self.per_rank or all(_same_py(v, vals[0]) for v in vals):

@@ -13,8 +13,7 @@ from typing import Any
 import optree
 import torch
 
-from ..collectives import _anchor
-from ..collectives._anchor import collect_anchors
+from ..collectives._anchor import collect_anchors, hand_up
 from ..comm.stats import comm_stats
 from ..core import _tree
 from ..core._context import current
@@ -239,9 +238,7 @@ def run(setup: Setup, mesh: Mesh, args: tuple) -> Run:
         if not counting[0]:
             with collect_anchors() as anchors:
                 out = body(*local)
-            outer = getattr(_anchor._local, "stack", None)
-            if outer:  # shard_map's own list (under grad mode): its backward needs them
-                outer[-1].extend(anchors)
+            hand_up(anchors)  # to shard_map's list (grad mode): its backward needs them
             if params is None and current(WHO).rank == 0:
                 _graph_leaves([t for t in _tree.flatten(out)[0] if isinstance(t, torch.Tensor)],
                               {id(t) for t in [*ins, *anchors]}, found)
