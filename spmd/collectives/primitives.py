@@ -104,7 +104,10 @@ def psum(x: torch.Tensor, axis_name: AxisName) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         return _tree(psum, x, axis_name)
     axes, rc = _setup(x, axis_name, "psum")
-    return _psum(anchor(_counts(x)), axes, rc, "psum")
+    x = _counts(x)
+    if wants_node(x):  # (where anchor would leave x as it is)
+        return node_psum(x, axes, rc, "psum")
+    return _psum_rule(anchor(x), axes, rc, "psum")
 
 
 def _psum(x: torch.Tensor, axes: tuple[str, ...], rc: RankContext, name: str

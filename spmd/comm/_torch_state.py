@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["RankState", "fresh", "take", "put", "guards", "inside_guard", "saved_tensor_hooks",
-           "next_sequence_nr", "functorch_active"]
+__all__ = ["RankState", "CLEAN", "fresh", "take", "put", "guards", "inside_guard",
+           "saved_tensor_hooks", "next_sequence_nr", "functorch_active"]
 
 _C = torch._C
 _auto = torch._C._autograd
@@ -73,13 +73,13 @@ class RankState:
         self.rng, self.seed = rng, seed
 
 
-_CLEAN = RankState()  # torch's defaults and the thread's own generator: nothing to move
+CLEAN = RankState()  # torch's defaults and the thread's own generator: nothing to move
 
 
 def fresh(grad: bool = True, seed: int | None = None) -> RankState:
     """A new rank's state: torch's defaults (with grad mode ``grad``), its generator
     seeded with ``seed`` (None: the thread's own)."""
-    return _CLEAN if grad and seed is None else RankState(grad, seed=seed)
+    return CLEAN if grad and seed is None else RankState(grad, seed=seed)
 
 
 def take(per_rank_rng: bool) -> RankState:
@@ -91,7 +91,7 @@ def take(per_rank_rng: bool) -> RankState:
     autocast = [dev for dev in _AUTOCAST if torch.is_autocast_enabled(dev)] \
         if _any_autocast() else ()
     if grad and not (inference or nf or nd or autocast or per_rank_rng) and top is None:
-        return _CLEAN  # the common case, checked in a few calls
+        return CLEAN  # the common case, checked in a few calls
     s = RankState(grad)
     if inference:
         guard = _Inference(False)
@@ -121,7 +121,7 @@ def take(per_rank_rng: bool) -> RankState:
 def put(s: RankState) -> None:
     """Install a state ``take`` lifted (or a new rank's) on the calling thread, which
     holds torch's defaults."""
-    if s is _CLEAN:
+    if s is CLEAN:
         return
     if s.inference is not None:
         guard, s.inference = s.inference, None

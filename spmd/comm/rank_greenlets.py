@@ -35,7 +35,7 @@ from ..core._context import rank_stack
 from ..core.errors import CommAborted, CommTimeout, SpecError
 from ..core.mesh import Group, Mesh
 from . import comm_of
-from ._torch_state import fresh, guards, inside_guard, put, take
+from ._torch_state import CLEAN, fresh, guards, inside_guard, put, take
 from .rank_threads import caller_seed, raise_first, rank_seed, take_turn
 from .threads import _axes, _tls
 
@@ -93,8 +93,8 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
         self.per_rank_rng = seed is not None
-        self.states = {r: fresh(grad, None if seed is None else rank_seed(seed, r))
-                       for r in self.ranks}
+        self.states = dict.fromkeys(self.ranks, fresh(grad)) if seed is None else \
+            {r: fresh(grad, rank_seed(seed, r)) for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()
         self.lets: dict[int, greenlet] = {}
@@ -127,11 +127,11 @@ class _Run:
             raise_first(self.errors)
         return [self.results[r] for r in self.ranks]
 
-    def _body(self, rank: int) -> None:
+    def _body(self, rank: int, mine: dict, ctx: list) -> None:
+        """Rank ``rank``'s program, on a worker whose comm locals are ``mine`` and rank
+        contexts ``ctx`` (its own for its life)."""
         # (No ``_tls.run``: a greenlet run is never abandoned, so never stale.)
-        mine = _tls.values()
         mine["green"], mine["green_rank"] = self, rank
-        ctx = rank_stack()
         ctx.append((self.mesh, rank))
         try:
             if self.stream is None:
@@ -200,13 +200,15 @@ class _Run:
 
     def loop(self) -> None:
         live = list(self.ranks)
+        waiting, meeting, throw = self.waiting, self.meeting, self.throw
         while live:
             ran = False
             for r in list(live):
-                if not self._ready(r):
-                    continue
-                self.waiting.pop(r, None)
-                self.meeting.pop(r, None)
+                if r in waiting or r in meeting or r in throw:
+                    if not self._ready(r):
+                        continue
+                    waiting.pop(r, None)
+                    meeting.pop(r, None)
                 self._turn(r)
                 ran = True
                 if r in self.done:
@@ -216,8 +218,10 @@ class _Run:
 
     def _turn(self, r: int) -> None:
         """Run rank ``r`` until it waits, finishes or fails; then lift its torch state."""
-        put(self.states[r])
-        exc = self.throw.pop(r, None)
+        s = self.states[r]
+        if s is not CLEAN:
+            put(s)
+        exc = self.throw.pop(r, None) if self.throw else None
         got = None
         try:
             if exc is None:
@@ -337,13 +341,14 @@ def _work(_: Any) -> None:
     me = getcurrent()
     job = me.parent.switch(None)  # started: wait for the first job
     home = _saved(me.parent)
+    mine, ctx = _tls.values(), rank_stack()  # this greenlet's, for its life
     while True:
         run, rank = job
-        run._body(rank)
+        run._body(rank, mine, ctx)
         del run
         job = me.parent.switch(_DONE)
-        while not home or _saved(me.parent) != home:  # 0: no way to tell a shallower depth
-            job = me.parent.switch(_MOVED)
+        while not home or getattr(me.parent, "_stack_saved", None) != home:
+            job = me.parent.switch(_MOVED)  # (0: no way to tell a shallower depth)
 
 
 def _new_worker(parent: greenlet) -> greenlet:

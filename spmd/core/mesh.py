@@ -7,7 +7,7 @@ import math
 import os
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,14 +35,13 @@ class Group:
     ranks: tuple[int, ...]
     index: int
     channel: str = ""
+    # derived, read at every collective: plain attributes rather than properties
+    size: int = field(init=False, repr=False, compare=False)
+    rank: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks[self.index]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", len(self.ranks))
+        object.__setattr__(self, "rank", self.ranks[self.index])
 
 
 _uids = itertools.count()
@@ -145,6 +144,7 @@ class Mesh:
         self._uid: int = next(_uids)
         _by_uid[self._uid] = self
         self._groups: dict[tuple, Group] = {}
+        self._checked: dict[str | tuple, tuple[str, ...]] = {}
         # The backend's communicator: spmd.comm.comm_of builds it on first use and keeps
         # it here, so the data layer never imports a backend.
         self._comm: object | None = None
@@ -208,8 +208,15 @@ class Mesh:
               channel: str = "") -> Group:
         """The ranks meeting with ``rank`` in a collective over ``axes`` (on ``channel``,
         see ``Group``)."""
-        axes = _axes_tuple(axes)
         rank = self.rank if rank is None else rank
+        try:  # asked as given (a name, or a tuple of names): one look-up
+            g = self._groups.get((axes, rank, channel))
+        except TypeError:  # a list of names
+            g = None
+        if g is not None:
+            return g
+        given = axes
+        axes = _axes_tuple(axes)
         key = (axes, rank, channel)
         g = self._groups.get(key)
         if g is None:
@@ -226,6 +233,8 @@ class Mesh:
                 members.append(self.rank_of(c))
             g = Group(axes, tuple(members), members.index(rank), channel)
             self._groups[key] = g
+        if isinstance(given, (str, tuple)):
+            self._groups[(given, rank, channel)] = g
         return g
 
     def _axis_pos(self, name: str) -> int:
@@ -238,6 +247,12 @@ class Mesh:
 
     def check_axes(self, axes: str | Sequence[str], what: str) -> tuple[str, ...]:
         """Validate axis names for ``what`` (an op name) before any communication."""
+        try:
+            t = self._checked.get(axes)  # names checked before (valid for any op)
+        except TypeError:  # a list, or names that cannot be
+            t = None
+        if t is not None:
+            return t
         t = _axes_tuple(axes, what)
         for a in t:
             if a not in self.axis_names:
@@ -246,6 +261,8 @@ class Mesh:
                     f"{list(self.axis_names)}")
         if len(set(t)) != len(t):
             raise SpecError(f"{what}: axis names {t} repeat an axis")
+        if isinstance(axes, (str, tuple)):
+            self._checked[axes] = t
         return t
 
     # -- ranks and communication -------------------------------------------------------

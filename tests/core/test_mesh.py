@@ -222,6 +222,11 @@ def test_group_is_cached_and_stable():
     m = Mesh((2, 2), ("dp", "sp"))
     assert m.group("sp", 1) is m.group("sp", 1)
     assert m.group("sp", 1) == Group(("sp",), (0, 1), 1)
+    # a name, a tuple and a list of names are one group (cached under each spelling)
+    assert m.group("sp", 1) is m.group(("sp",), 1) is m.group(["sp"], 1)
+    g = m.group(["sp", "dp"], 3)
+    assert g is m.group(("sp", "dp"), 3) and (g.size, g.rank) == (4, 3)
+    assert repr(g) == "Group(axes=('sp', 'dp'), ranks=(0, 2, 1, 3), index=3, channel='')"
 
 
 def test_a_channel_is_another_group_of_the_same_ranks():
@@ -298,6 +303,19 @@ def test_check_axes():
         m.check_axes(("sp", "sp"), "all_gather")
     with pytest.raises(SpecError, match=r"psum: expected a mesh axis name"):
         m.check_axes(3, "psum")
+
+
+def test_check_axes_remembers_only_valid_names_and_raises_again():
+    m = Mesh((2, 4), ("dp", "sp"))
+    for _ in range(2):  # the second time from the cache
+        assert m.check_axes("sp", "psum") == ("sp",)
+        assert m.check_axes(["dp", "sp"], "psum") == ("dp", "sp")
+        with pytest.raises(SpecError, match=r"^pmax: 'tp' is not an axis"):
+            m.check_axes("tp", "pmax")
+        with pytest.raises(SpecError, match=r"^pmax: axis names \('sp', 'sp'\) repeat"):
+            m.check_axes(("sp", "sp"), "pmax")
+        with pytest.raises(SpecError, match=r"pmax: expected a mesh axis name"):
+            m.check_axes(("sp", ["dp"]), "pmax")
     with pytest.raises(SpecError, match=r"psum: expected a mesh axis name"):
         m.check_axes((), "psum")
 
