@@ -225,16 +225,17 @@ class _Run:
         got = None
         try:
             if exc is None:
-                # a worker waiting for a job takes (run, rank); one waiting in a
-                # collective ignores it
+                # A worker waiting for a job takes (run, rank); one waiting in a
+                # collective ignores it. Workers are started and switched to only here,
+                # so their start and their jobs come from one stack depth.
                 w = self.lets[r]
-                got = _MOVED if w is None else _enter(w, (self, r))
+                got = _MOVED if w is None else w.switch((self, r))
                 if got is _MOVED:  # none yet, or one made where the stack was otherwise
                     if w is not None:
                         w.throw()  # ends it
                     w = self.lets[r] = _new_worker(self.main)
-                    _enter(w, None)  # started here, where its jobs come from
-                    got = _enter(w, (self, r))
+                    w.switch(None)  # started here, where its jobs come from
+                    got = w.switch((self, r))
             else:
                 got = self.lets[r].throw(exc)
         finally:
@@ -327,12 +328,6 @@ _MOVED = object()  # what a pooled worker says when switched to from another sta
 
 def _saved(g: greenlet) -> int | None:
     return getattr(g, "_stack_saved", None)
-
-
-def _enter(w: greenlet, job: Any) -> Any:
-    # The one place a run switches to a worker: its start and its jobs come from one
-    # stack depth.
-    return w.switch(job)
 
 
 def _work(_: Any) -> None:

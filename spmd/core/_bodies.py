@@ -3,13 +3,14 @@ nesting checks (``_nesting``), collectives' anchors (``collectives._anchor``) an
 static layouts (``_context.current_trace``)."""
 from __future__ import annotations
 
+import contextvars
 from typing import Any
-
-from ._local import RankLocal
 
 __all__ = ["Body", "NO_TRACE", "bodies"]
 
-_local = RankLocal()  # each rank thread (or greenlet) runs its own bodies
+# Each rank thread (or greenlet) runs its own bodies: a context variable, as
+# ``RankLocal`` keeps its attributes (``_local.py``), read in one call.
+_var: contextvars.ContextVar[list] = contextvars.ContextVar("spmd_bodies")
 
 
 class Body:
@@ -34,9 +35,10 @@ NO_TRACE = object()  # a Body whose size exchanges are not traced (static_layout
 def bodies() -> list[Body]:
     """The shard_map bodies this thread (or rank greenlet) runs, innermost last:
     shard_map pushes and pops its own."""
-    st = _local.get("bodies")
+    st = _var.get(None)
     if st is None:
-        st = _local.bodies = []
+        st = []
+        _var.set(st)
     return st
 
 

@@ -7,6 +7,7 @@ Bookkeeping only: nothing here communicates.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
     from .mesh import Mesh
 
 _local = RankLocal()
+# the rank stack, read at every collective: a context variable of its own (as RankLocal
+# keeps its attributes), read in one call
+_stack: contextvars.ContextVar[list] = contextvars.ContextVar("spmd_rank_stack")
 
 
 class RankContext(NamedTuple):
@@ -35,9 +39,10 @@ class RankContext(NamedTuple):
 
 def rank_stack() -> list:
     """The (mesh, rank) contexts this thread (or rank greenlet) runs in, innermost last."""
-    s = _local.get("stack")
+    s = _stack.get(None)
     if s is None:
-        s = _local.stack = []
+        s = []
+        _stack.set(s)
     return s
 
 

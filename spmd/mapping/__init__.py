@@ -273,7 +273,7 @@ class _ShardMap:
         axes_mapped = sig.axes_mapped
         mine = [self.mesh.rank] if per_rank else list(range(self.mesh.size))
         sharded = sig.sharded
-        named = self._check_sharded(args, leaves, sharded, mine)
+        named = self._check_sharded(args, leaves, sharded, mine) if sharded else []
         # Shards needing gradients: each is its own input of the call (per-rank semantics).
         sdiff = [(i, r) for i in sharded for r in mine
                  if grad_on and leaves[i].shards[r].requires_grad]
@@ -352,43 +352,42 @@ class _ShardMap:
         if per_rank:
             rank = self.mesh.rank
             with RankContext(self.mesh, rank):
-                results = {rank: run_rank(rank)}
+                results = [run_rank(rank)]  # by position in ranks
             ranks = [rank]
         else:
             if self.mesh.backend != "threads":
                 raise SpecError(f"shard_map on {self.mesh!r} must be called on every rank")
             if self.schedule == "greenlets":
                 from ..comm.rank_greenlets import run_on_greenlets
-                results = dict(enumerate(run_on_greenlets(
-                    self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank",
-                    report=report)))
+                results = run_on_greenlets(self.mesh, run_rank,
+                                           rank_rng=self.mesh.rng == "per_rank", report=report)
             else:
-                results = dict(enumerate(run_on_threads(
-                    self.mesh, run_rank, rank_rng=self.mesh.rng == "per_rank")))
+                results = run_on_threads(self.mesh, run_rank,
+                                         rank_rng=self.mesh.rng == "per_rank")
             ranks = list(range(self.mesh.size))
 
-        outs = {r: _flat_out(results[r][0]) for r in ranks}
-        out_def = outs[ranks[0]][1]
-        for r in ranks[1:]:
-            if outs[r][1] != out_def:
-                raise SpecError(f"shard_map: f returned {outs[r][1]} on rank {r} but "
-                                f"{out_def} on rank {ranks[0]}; every rank must return the "
+        outs = [_flat_out(res[0]) for res in results]
+        out_def = outs[0][1]
+        for pos in range(1, len(outs)):
+            if outs[pos][1] != out_def:
+                raise SpecError(f"shard_map: f returned {outs[pos][1]} on rank {ranks[pos]} "
+                                f"but {out_def} on rank {ranks[0]}; every rank must return the "
                                 f"same structure")
         hit = self._out_spec_cache.get(out_def)
         if hit is None:
-            tree = results[ranks[0]][0]
+            tree = results[0][0]
             hit = self._out_spec_cache[out_def] = (
                 _tree.match_specs(self.out_specs, tree, "out_specs", "out"),
                 [_tree.keystr("out", p)
                  for p in optree.tree_paths(tree, none_is_leaf=True, namespace="spmd")])
         out_specs, out_names = hit
-        state = _State(self, ranks, leaves, layouts, diff, [results[r][1] for r in ranks],
-                       [outs[r][0] for r in ranks], out_specs, out_names, per_rank)
+        state = _State(self, ranks, leaves, layouts, diff, [res[1] for res in results],
+                       [o[0] for o in outs], out_specs, out_names, per_rank)
         state.sdiff = sdiff
         state.sharded_inputs = named
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks] \
             if sdiff else [()] * len(ranks)
-        state.anchors = [results[r][2] for r in ranks]
+        state.anchors = [res[2] for res in results]
         state.seq0 = seq0.get(ranks[0])
         state.green = not per_rank and self.schedule == "greenlets" and \
             not report["per_rank_backward"]
