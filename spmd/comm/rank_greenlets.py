@@ -342,8 +342,8 @@ def _work(_: Any) -> None:
         run._body(rank, mine, ctx)
         del run
         job = me.parent.switch(_DONE)
-        while not home or getattr(me.parent, "_stack_saved", None) != home:
-            job = me.parent.switch(_MOVED)  # (0: no way to tell a shallower depth)
+        while not home or _saved(me.parent) != home:  # 0: no way to tell a shallower depth
+            job = me.parent.switch(_MOVED)
 
 
 def _new_worker(parent: greenlet) -> greenlet:

@@ -40,5 +40,3 @@ def bodies() -> list[Body]:
         st = []
         _var.set(st)
     return st
-
-

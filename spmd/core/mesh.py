@@ -233,7 +233,7 @@ class Mesh:
                 members.append(self.rank_of(c))
             g = Group(axes, tuple(members), members.index(rank), channel)
             self._groups[key] = g
-        if isinstance(given, (str, tuple)):
+        if isinstance(given, str):  # a tuple of names is asked as its key already
             self._groups[(given, rank, channel)] = g
         return g
 

@@ -422,8 +422,6 @@ class _ShardMap:
                        mine: list[int]) -> list[tuple[str, Sharded]]:
         """Sharded arguments live on this mesh and hold the shards of the ranks running;
         returns them with their key paths."""
-        if not sharded:
-            return []
         paths = optree.tree_paths(args, none_is_leaf=True, namespace="spmd")
         named = []
         for i in sharded:
