@@ -66,9 +66,10 @@ def run(model: nn.Module, c, x: torch.Tensor) -> tuple[int, int]:
     return max(sent), max(held.values()) + 2 * pbytes
 
 
-def _fit(mesh):
+def _fit(mesh, load_s: float):
     torch.set_num_threads(1)
     return spmd.perf.fit_network(sizes=(64, 1 << 14, 1 << 18, 1 << 20), repeats=15, warmup=3,
+                                 load_s=load_s,
                                  name=f"gloo loopback world {mesh.size} (fitted)")
 
 
@@ -119,7 +120,8 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: int) -> None:
+def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: int,
+         load_s: float) -> None:
     """Plan for ``world`` ranks priced for this machine, run every candidate as gloo
     processes, and compare the orders where the predictions differ by more than the
     measured noise."""
@@ -129,7 +131,7 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     # The network the candidates run on: gloo over loopback among `world` processes on
     # this machine (with more processes than cores a collective also waits for its
     # peers to be scheduled, which a fit at a smaller world does not see).
-    net = spmd.launch(_fit, (world,), ("sp",), backend="gloo", timeout=300)[0]
+    net = spmd.launch(_fit, (world,), ("sp",), backend="gloo", args=(load_s,), timeout=300)[0]
     print(f"network: {net!r}")
     # Compute as the run has it: `world` one-thread processes on the cores at once,
     # against one alone (as plan times it): the ratio is plan's compute_scale.
@@ -213,10 +215,11 @@ def main() -> None:
     ap.add_argument("--gloo", type=int, default=0)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--load-ms", type=float, default=1.5)
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.gloo:
-        return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup)
+        return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup, a.load_ms / 1e3)
     torch.manual_seed(0)
     model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, a.size, a.size)
     print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")

@@ -207,10 +207,12 @@ def _compute(est: Estimate, shapes: list[tuple[int, ...]], limit: int,
 
 
 def exposed(times: Sequence[float], events: Sequence[_measure.Event | None], forward_s: float,
-            backward_s: float) -> float:
+            backward_s: float, overlap: float = 1.0) -> float:
     """Seconds a rank stalls in its collectives: ``times[j]`` each takes, ``events[j]``
     where it starts and is waited for in the compute (None: blocking, at no known place:
-    all of it exposed). Transfers go one after the other in the order started.
+    all of it exposed). Transfers go one after the other in the order started. Only
+    the part ``overlap`` of each (``Network.overlap``) can go on behind compute; the rest
+    is the rank's own work and adds to the step.
 
     Example:
         >>> from spmd.perf._measure import Event
@@ -218,6 +220,9 @@ def exposed(times: Sequence[float], events: Sequence[_measure.Event | None], for
         >>> exposed([0.3], [halo], 1.0, 1.0), exposed([0.8], [halo], 1.0, 1.0)
         (0.0, 0.30000000000000004)
     """
+    if overlap < 1:
+        own = (1.0 - overlap) * sum(times)
+        return own + exposed([overlap * t for t in times], events, forward_s, backward_s)
     stall, free = 0.0, 0.0
     marks = []  # (compute seconds, 0 start / 1 wait, j)
     for j, e in enumerate(events):
@@ -260,7 +265,7 @@ def _comm(est: Estimate, local: list[tuple[int, ...]], target: tuple[int, ...], 
                 c = _scale(c, setup, local, ref, split)
             times.append(c.time(network, math.prod(size[a] for a in c.axes)))
             nbytes += c.nbytes
-        t = exposed(times, evs, forward_s, backward_s)
+        t = exposed(times, evs, forward_s, backward_s, network.overlap)
         if (t, nbytes) > (best[0], best[2]):
             best = (t, sum(times) - t, nbytes)
             unmatched = sum(e is None for e in evs)
@@ -273,6 +278,8 @@ def _comm(est: Estimate, local: list[tuple[int, ...]], target: tuple[int, ...], 
         how = f"overlap as on the one-rank run; {unmatched} collective(s) it lacks not hidden"
     else:
         how = "overlap as on the one-rank run"
+    if network.overlap < 1 and events is not None:
+        how += f", at most {network.overlap:.0%} of each collective hidden (the network's)"
     if not scaled:
         return (t, hidden, nbytes, mem,
                 f"collectives measured on a {mesh} threads mesh at the local shape; {how}")
@@ -324,8 +331,10 @@ def _grad_sync(est: Estimate, ranks: int, network: Network, how: str,
     ts = [collective_time(network, "all_reduce", ranks, payload=sum(
         (metas[i].numel() + 1) * metas[i].element_size() for i in b)
         + metas[b[0]].element_size()) for b in plan]
-    # Every bucket but the last starts while backward still runs: hidden up to its length.
-    exposed = ts[-1] + max(sum(ts[:-1]) - backward_s, 0.0)
+    # Every bucket but the last starts while backward still runs: hidden up to its
+    # length, as far as the network lets a transfer go on behind compute.
+    ov, early = network.overlap, sum(ts[:-1])
+    exposed = ts[-1] + (1.0 - ov) * early + max(ov * early - backward_s, 0.0)
     return exposed, total, (f"GradSync: {len(plan)} bucket(s) overlapped with backward, "
                             f"the last one exposed")
 

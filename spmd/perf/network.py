@@ -31,12 +31,18 @@ class Network:
     """A flat network: every message costs ``latency_s`` plus its bytes over
     ``bandwidth_Bps`` (one direction of one rank's link), and every collective call
     ``overhead_s`` of software on top (the library's and the backend's per-call cost; 0
-    in the presets: ``benchmarks/collective_overhead.py`` measures spmd's).
+    in the presets: ``benchmarks/collective_overhead.py`` measures spmd's). ``overlap``
+    is the fraction of a collective's time that goes on while its rank computes (a
+    halo in flight behind the convolution of the shard): 1 in the presets (a NIC or
+    NVLink moves the bytes), measured by ``fit_network(load_s=...)``; on CPU transports
+    the rank's own cores do the copying and the waking, and little of it hides.
 
     Args:
         latency_s: seconds per message (alpha).
         bandwidth_Bps: bytes per second, one direction (1 / beta).
         overhead_s: seconds per collective call on each rank.
+        overlap: the part of each collective's time that can hide behind compute, in
+            [0, 1]; the rest adds to the step wherever the collective lies.
         algorithm: ``"tree"`` (recursive halving and doubling: ``2 log2 n`` latencies per
             all-reduce, ``log2 n`` per all-gather or reduce-scatter) or ``"ring"``
             (``2 (n - 1)`` and ``n - 1``). Both move the bandwidth-optimal bytes
@@ -58,6 +64,7 @@ class Network:
     algorithm: str = "tree"
     name: str = "custom"
     source: str = ""
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         for arg, v, positive in (("latency_s", self.latency_s, False),
@@ -67,14 +74,18 @@ class Network:
                     or v < 0 or (positive and v == 0):
                 need = "a positive" if positive else "a non-negative"
                 raise ValueError(f"Network: {arg} must be {need} finite number, got {v!r}")
+        ov = self.overlap
+        if isinstance(ov, bool) or not isinstance(ov, (int, float)) or not 0 <= ov <= 1:
+            raise ValueError(f"Network: overlap must be a number in [0, 1], got {ov!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"Network: algorithm must be one of {ALGORITHMS}, got "
                              f"{self.algorithm!r}")
 
     def __repr__(self) -> str:
         over = f" + {_secs(self.overhead_s)}/call" if self.overhead_s else ""
+        hides = f", overlap {self.overlap:.2g}" if self.overlap < 1 else ""
         return (f"Network({self.name!r}: {_secs(self.latency_s)}, "
-                f"{_rate(self.bandwidth_Bps)}, {self.algorithm}{over})")
+                f"{_rate(self.bandwidth_Bps)}, {self.algorithm}{over}{hides})")
 
     def collective_time(self, kind: str, group_size: int, *, payload: int, sent: int | None = None,
                         peers: int | None = None) -> float:
@@ -256,7 +267,7 @@ NETWORKS: dict[str, Network] = {
 def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
                 sizes: Sequence[int] = (64, 1 << 16, 1 << 20, 1 << 22),
                 kinds: Sequence[str] = ("all_reduce", "all_to_all"), repeats: int = 20,
-                warmup: int = 3, name: str = "fitted") -> Network:
+                warmup: int = 3, load_s: float = 0.0, name: str = "fitted") -> Network:
     """Time spmd's all-reduce and all-to-all on this mesh and fit a ``Network`` to them
     (``Network.fit``): what the collectives of a step cost here, software included.
 
@@ -265,22 +276,32 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
     median times, after ``warmup`` calls). ``sizes`` are float32 payload bytes. On a
     threads mesh it fits the rendezvous of threads, not a network.
 
+    With ``load_s`` > 0 every timed call follows about that much compute on the mesh's
+    device (matrix products), as the collectives of a training step follow the layers
+    between them, and is charged what it adds to that compute: the ranks arrive out of
+    step, and a CPU transport's threads wake on cores that were computing. It also
+    measures ``overlap``: how much of an all-to-all started before the compute (a halo
+    in flight behind the convolution of the shard) is hidden by it, against the same
+    two one after the other. Without a load the calls are timed back to back and
+    ``overlap`` is 1 (not measured).
+
     Args:
         mesh: the mesh (default: the one this code runs on).
         axis: the mesh axis whose groups to time (default: the first axis of size > 1).
         sizes: payloads in bytes, multiples of 4; at least two distinct.
         kinds: among ``"all_reduce"`` and ``"all_to_all"`` (every block to every other
-            rank of the group).
+            rank of the group, shapes known as a halo exchange knows them).
         repeats: timed calls per kind and size.
+        load_s: seconds of compute before each timed call (0: none).
 
     Raises:
-        ValueError: bad sizes, kinds or axis; a mesh of one rank; a fit that fails.
+        ValueError: bad sizes, kinds, load or axis; a mesh of one rank; a fit that fails.
         SpecError: called outside the ranks of a mesh.
 
     In a script (timings are noisy: a loaded machine can make a fit fail, which raises)::
 
         def fit(mesh):
-            return spmd.perf.fit_network(repeats=50)
+            return spmd.perf.fit_network(repeats=50, load_s=2e-3)
         net = spmd.launch(fit, (2,), ("sp",), backend="gloo")[0]
 
     Example:
@@ -300,6 +321,9 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
     for k in kinds:
         if k not in ("all_reduce", "all_to_all"):
             raise ValueError(f"fit_network: kinds are 'all_reduce' and 'all_to_all', got {k!r}")
+    if isinstance(load_s, bool) or not isinstance(load_s, (int, float)) \
+            or not 0 <= load_s < 10:
+        raise ValueError(f"fit_network: load_s must be seconds in [0, 10), got {load_s!r}")
     if axis is None:
         axis = next((a for a, s in zip(mesh.axis_names, mesh.shape) if s > 1), None)
         if axis is None:
@@ -312,7 +336,20 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
     n = group.size
     dev = mesh.device
     sync = torch.get_device_module(dev.type).synchronize if dev.type != "cpu" else None
-    medians, meta = [], []
+    load = _Load(load_s, dev, sync) if load_s else None
+
+    def timed(call) -> float:
+        ts = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            call()
+            if sync is not None:
+                sync()
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    medians, meta, hidden = [], [], []
     for kind in kinds:
         for size in sizes:
             if kind == "all_reduce":
@@ -322,23 +359,29 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
             else:
                 per = max(size // 4 // n, 1)
                 chunks = [torch.randn(per, device=dev) for _ in range(n)]
-                call = lambda c=chunks: comm.all_to_all(c, group, name="fit_network")  # noqa: E731
+                shapes = [(per,)] * n
+                call = lambda c=chunks, s=shapes: comm.all_to_all(  # noqa: E731
+                    c, group, name="fit_network", shapes=s)
                 meta.append((kind, n, per * 4 * n, per * 4 * (n - 1), n - 1))
-            ts = []
-            for i in range(warmup + repeats):
-                t0 = time.perf_counter()
-                call()
-                if sync is not None:
-                    sync()
-                if i >= warmup:
-                    ts.append(time.perf_counter() - t0)
-            medians.append(statistics.median(ts))
+            if load is None:
+                medians.append(timed(call))
+                continue
+            alone = timed(load)
+            medians.append(max(timed(lambda c=call: (load(), c())) - alone, 1e-9))
+            if kind == "all_to_all":  # started, then the compute, then waited for
+                hidden.append((alone, medians[-1], timed(lambda c=chunks, s=shapes: (
+                    w := comm.all_to_all_async(c, group, name="fit_network", shapes=s),
+                    load(), w.wait()))))
     # Every rank fits the slowest rank's times: the same Network everywhere.
-    med = comm.all_reduce(torch.tensor(medians, dtype=torch.float64, device=dev), "max", group,
-                          name="fit_network")
-    samples = [(*m, t) for m, t in zip(meta, med.tolist())]
+    flat = medians + [t for h in hidden for t in h]
+    med = comm.all_reduce(torch.tensor(flat, dtype=torch.float64, device=dev), "max", group,
+                          name="fit_network").tolist()
+    samples = [(*m, t) for m, t in zip(meta, med)]
+    rest = med[len(medians):]
+    overlap = _overlap([rest[i:i + 3] for i in range(0, len(rest), 3)])
+    loaded = f", each after {_secs(load_s)} of compute" if load_s else ""
     source = (f"fitted: spmd {'/'.join(kinds)} on {mesh!r}, axis {axis!r}, payloads "
-              f"{sizes[0]}..{sizes[-1]} B, median of {repeats}")
+              f"{sizes[0]}..{sizes[-1]} B, median of {repeats}{loaded}")
     # The least squares of equal samples can differ in the last bit between processes
     # (BLAS threading): member 0 fits, and everyone takes its two numbers, so that every
     # rank holds the same Network (or raises alike: NaN means the fit failed).
@@ -348,10 +391,42 @@ def fit_network(mesh: Mesh | None = None, axis: str | None = None, *,
         why = None
     except ValueError as e:
         got, why = [math.nan, math.nan], e
-    got = comm.broadcast(torch.tensor(got, dtype=torch.float64, device=dev), 0, group,
-                         name="fit_network").tolist()
+    got = comm.broadcast(torch.tensor(got + [overlap], dtype=torch.float64, device=dev), 0,
+                         group, name="fit_network").tolist()
     if math.isnan(got[0]):
         raise why if why is not None else ValueError(
             "fit_network: the fit failed on the group's first rank (see its error); time "
             "larger payloads and more repeats")
-    return Network(got[0], got[1], name=name, source=source)
+    return Network(got[0], got[1], name=name, source=source, overlap=got[2])
+
+
+def _overlap(rows: list[list[float]]) -> float:
+    """The median over sizes of the part of an all-to-all hidden by the compute after
+    its start: ``(compute + call - together) / min(compute, call)``, in [0, 1] (1 when
+    nothing was timed)."""
+    parts = [min(max((load + call - both) / min(load, call), 0.0), 1.0)
+             for load, call, both in rows if min(load, call) > 0]
+    return statistics.median(parts) if parts else 1.0
+
+
+class _Load:
+    """About ``seconds`` of compute on ``device``: products of 128 x 128 matrices, their
+    count set by timing them here."""
+
+    def __init__(self, seconds: float, device, sync) -> None:
+        self.a = torch.randn(128, 128, device=device)
+        self.sync = sync
+        self.reps = 1
+        self()  # warm up
+        t0 = time.perf_counter()
+        for _ in range(5):
+            self()
+        one = (time.perf_counter() - t0) / 5
+        self.reps = max(1, round(seconds / max(one, 1e-9)))
+
+    def __call__(self) -> None:
+        b = self.a
+        for _ in range(self.reps):
+            b = torch.mm(self.a, b).div_(128.0)
+        if self.sync is not None:
+            self.sync()

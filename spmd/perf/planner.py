@@ -113,7 +113,7 @@ def _measured_step(est: Estimate, network: Network, grad_sync: str,
         keys = [(c.name, c.kind, c.pass_) for c in cs]
         evs = [events.get((*k, o)) for k, o in zip(keys, _measure.ordinals(keys))]
         times = [c.time(network) for c in cs]
-        t = cost_model.exposed(times, evs, f, b)
+        t = cost_model.exposed(times, evs, f, b, network.overlap)
         nbytes = sum(c.nbytes for c in cs)
         if (t, nbytes) > (best[0], best[2]):
             best = (t, sum(times) - t, nbytes)
@@ -176,8 +176,10 @@ def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network
         c.output_bytes = max(est.output_bytes.values(), default=0)
         c.measured = ("bytes per rank: comm_stats of a step on a threads mesh of this shape",
                       "saved and output bytes: saved_tensors_hooks per rank on that mesh", what)
+        hides = (f", at most {network.overlap:.0%} of each hidden" if network.overlap < 1
+                 else "")
         c.modelled = (f"collective times: {network.name}'s latency and bandwidth, overlap as "
-                      f"on the 1-rank run",
+                      f"on the 1-rank run{hides}",
                       f"gradient all-reduce over {n} ranks (threads share the weights)")
     else:
         c.measured_mesh = False

@@ -9,6 +9,7 @@ efficiency = its formula) to 1e-12 relative, float rounding of a few additions.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -248,6 +249,51 @@ def test_exposed_time_by_hand():
     assert exposed([0.8, 0.25], later, f, b) == pytest.approx(0.35)
 
 
+def test_exposed_time_with_a_network_that_hides_part_of_each_collective():
+    """``overlap`` 0: a CPU transport whose copies and wake-ups are the rank's own work,
+    nothing hides; 0.5: half of each collective is the rank's, the other half may hide."""
+    f = b = 1.0
+    halo = _ev("forward", 0.0, 0.5)
+    assert exposed([0.4], [halo], f, b, overlap=0.0) == pytest.approx(0.4)
+    assert exposed([0.4], [halo], f, b, overlap=0.5) == pytest.approx(0.2)  # 0.2 hides
+    # 1.4 s: 0.7 the rank's own, 0.7 in flight of which the 0.5 s window hides 0.5
+    assert exposed([1.4], [halo], f, b, overlap=0.5) == pytest.approx(0.9)
+    assert exposed([0.4], [None], f, b, overlap=0.5) == pytest.approx(0.4)
+    assert exposed([0.4], [halo], f, b, overlap=1.0) == exposed([0.4], [halo], f, b)
+
+
+def test_network_overlap_is_checked_and_shown():
+    assert Network(1e-5, 1e9).overlap == 1.0
+    assert repr(Network(1e-5, 1e9, name="n", overlap=0.25)) == \
+        "Network('n': 10 us, 1 GB/s, tree, overlap 0.25)"
+    for bad in (-0.1, 1.5, math.nan, True, "0.5"):
+        with pytest.raises(ValueError, match="overlap must be a number in"):
+            Network(1e-5, 1e9, overlap=bad)
+
+
+def test_gradient_sync_hides_behind_backward_only_as_far_as_the_network_overlaps():
+    """GradSync's buckets but the last start during backward: they hide behind it up to
+    the network's overlap, and the rest adds to the step. Two parameters of 2.4 MB make
+    two buckets (the first holds 1 MiB)."""
+    from types import SimpleNamespace
+
+    from spmd.perf.model import _grad_sync
+    est = SimpleNamespace(grad_bytes={"a": 2_457_600, "b": 2_457_600},
+                          _params=[((614_400,), torch.float32)] * 2)
+    net = Network(1e-4, 1e8)
+    whole, _, _ = _grad_sync(est, 4, dataclasses.replace(net, overlap=0.0), "overlap", 0.0)
+    last, _, how = _grad_sync(est, 4, net, "overlap", 10.0)
+    assert "2 bucket(s)" in how
+    first = whole - last  # the bucket that starts during backward
+    assert first > 0 and last > 0
+    half, _, _ = _grad_sync(est, 4, dataclasses.replace(net, overlap=0.5), "overlap", 10.0)
+    assert half == pytest.approx(last + first / 2)
+    # a short backward hides only its own length of the in-flight half
+    short, _, _ = _grad_sync(est, 4, dataclasses.replace(net, overlap=0.5), "overlap",
+                             first / 4)
+    assert short == pytest.approx(last + first / 2 + first / 4)
+
+
 def test_the_one_rank_run_places_each_halo_before_the_compute_it_hides_behind():
     """The demo CNN's framed convs start their halo before the shard's own conv and wait
     after it; psum blocks. Every collective of the 3-rank run has its event, so with a
@@ -448,3 +494,34 @@ def _on_gloo(mesh):
     net = spmd.perf.fit_network(sizes=(64, 1 << 21), kinds=("all_reduce",), repeats=9, warmup=1)
     assert math.isfinite(net.bandwidth_Bps)
     return est.bytes_per_rank, net.latency_s
+
+
+def test_overlap_of_timed_calls():
+    from spmd.perf.network import _overlap
+    # (compute, call, both): hidden = compute + call - both, over the shorter of the two
+    assert _overlap([[1.0, 0.5, 1.5]]) == 0.0  # one after the other: nothing hidden
+    assert _overlap([[1.0, 0.5, 1.0]]) == 1.0  # the call entirely behind the compute
+    assert _overlap([[1.0, 0.5, 1.25], [1.0, 0.4, 1.0], [1.0, 0.5, 1.6]]) == 0.5
+    assert _overlap([]) == 1.0
+
+
+def test_fit_network_under_load_on_a_threads_mesh():
+    """Each timed call after ~0.2 ms of compute; the fit gives the same Network on every
+    rank, with a measured overlap."""
+    def fit(mesh):
+        return spmd.perf.fit_network(sizes=(64, 1 << 22), kinds=("all_to_all",), repeats=3,
+                                     warmup=1, load_s=2e-4)
+
+    nets = spmd.launch(fit, (2,), ("sp",), backend="threads")
+    assert nets[0] == nets[1]
+    assert 0.0 <= nets[0].overlap <= 1.0 and nets[0].bandwidth_Bps > 0
+    assert "after 200 us of compute" in nets[0].source
+
+
+def test_fit_network_checks_its_load():
+    def fit(mesh, load):
+        return spmd.perf.fit_network(sizes=(64, 128), load_s=load)
+
+    for bad in (-1e-3, 10.0, True, "1"):
+        with pytest.raises(ValueError, match="load_s must be seconds"):
+            spmd.launch(fit, (2,), ("sp",), backend="threads", args=(bad,))
