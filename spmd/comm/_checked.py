@@ -14,8 +14,7 @@ import torch
 from ..core.errors import CommError
 from . import _envelope
 from ._envelope import Rows
-from ._meta import (_ROP_CODE, _all_gather_single, _bytes, _copy, _numel, _plans_disagree,
-                    _row_of)
+from ._meta import (_ROP_CODE, _all_gather_single, _bytes, _copy, _plans_disagree, _row_of)
 from .base import Pending
 
 __all__ = ["_Checked"]
@@ -28,8 +27,8 @@ class _Checked:
         """This rank stops in the middle of a program (``rank`` left a converted model's
         plan at ``step``; ``exc``: why): every group it opened gets its next call from
         this rank as a ``left`` envelope, both ways, since the others may wait in either
-        transport: an all_gather of envelopes, and point to point (the envelope and a
-        plan of -1, ``_p2p.py``). The others raise ``CommAborted`` naming ``rank`` and
+        transport: an all_gather of envelopes, and point to point (the envelope as a
+        first message, ``_p2p.py``). The others raise ``CommAborted`` naming ``rank`` and
         pass it on. Nothing is waited for: the process group is spent, as after any
         failure in the middle of a program."""
         import torch.distributed as dist
@@ -41,18 +40,16 @@ class _Checked:
             env = _envelope.leave_envelope(seq, rank, step, self.mesh.device)
             out = torch.empty(group.size * _envelope.SIZE, dtype=torch.uint8,
                               device=env.device)
-            plan = torch.full((1,), -1, dtype=torch.int64, device=env.device)
             tag = _envelope.tag_of(seq)
             works = []
             try:
                 works.append(_all_gather_single(out, env, group=rec.pg, async_op=True))
                 for m, r in enumerate(group.ranks):
                     if m != group.index:
-                        works += [dist.isend(env, r, group=rec.pg, tag=tag),
-                                  dist.isend(plan, r, group=rec.pg, tag=tag + _envelope.PLAN_TAG)]
+                        works.append(dist.isend(env, r, group=rec.pg, tag=tag))
             except RuntimeError:
                 pass  # a peer already gone: it does not wait
-            kept.append((env, out, plan, works))
+            kept.append((env, out, works))
 
     def _gathered(self, x, op, group, rec, seq, name):
         """A small reduction as one all_gather of every member's envelope (the head and
@@ -154,10 +151,8 @@ class _Checked:
         xc = x.detach().contiguous()
         head = _envelope.head_of("all_gather", seq, d, xc.shape, xc.dtype, name)
         others = [i for i in range(n) if i != me]
-        inner = _numel(xc.shape[:d] + xc.shape[d + 1:]) * xc.element_size()
-        expect = None if sizes is None else {i: sizes[i] * inner for i in others}
         f = self._start(group, rec, seq, name, [(i, head, xc) for i in others], others,
-                        x.device, expect)
+                        x.device)
         heads = f.heads()
         try:
             _envelope.check_all([heads[i] if i != me else head for i in range(n)], group,
@@ -179,10 +174,8 @@ class _Checked:
         send = [c.detach().contiguous() for c in chunks]
         heads = [_envelope.head_of("all_to_all", seq, 0, c.shape, c.dtype, name) for c in send]
         others = [i for i in range(n) if i != me]
-        expect = None if shapes is None else {
-            i: _numel(shapes[i]) * dtype.itemsize for i in others}
         f = self._start(group, rec, seq, name, [(i, heads[i], send[i]) for i in others], others,
-                        dev, expect)
+                        dev)
 
         def finish() -> list[torch.Tensor]:
             got, row = f.heads(), _envelope.ROW
@@ -212,8 +205,7 @@ class _Checked:
                                  xc.shape, xc.dtype, name)
         src = srcs[0] if srcs and srcs[0] != me else None
         f = self._start(group, rec, seq, name, [(d, head, xc) for d in dsts],
-                        [] if src is None else [src], xc.device,
-                        None if src is None else {src: xc.numel() * xc.element_size()})
+                        [] if src is None else [src], xc.device)
         if src is not None:
             try:
                 _envelope.check_from(f.heads()[src], head, group.ranks[src], group, name)

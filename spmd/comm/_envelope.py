@@ -20,16 +20,14 @@ size, and read each other's heads:
   chunks' total element count; ``EXTRA`` holds the op and a hash of the chunk shapes).
 - all_gather of more, all_to_all, permute: point to point, tagged with the call number
   (calls in flight together never match each other's messages). A sender sends each
-  receiver its envelope (the payload inline where it fits) and, where it does not fit,
-  the payload right after it, in at most two pieces. Where this rank's plan knows what
-  arrives (all_gather with ``sizes``, permute, all_to_all with ``shapes``) the
-  payload's receives are posted with the envelope's (a receive posted after its
-  envelope arrived is gloo's slow path: milliseconds on a loaded machine), and the plan
-  travels to the sender, which never sends more than a receive holds (``_p2p.py``):
-  a payload of another size than planned arrives cut or short, and its envelope says
-  so. Where the plan does not know (all_to_all without ``shapes``), the payload is
-  received after its envelope, of the size the envelope announced. Nothing can abort
-  the process. all_gather and all_to_all ranks receive from every
+  receiver one first message: its envelope (the payload inline where it fits), then
+  the payload's first bytes (up to ``_p2p.FIRST``, 256 KiB), and the rest of a larger
+  payload right after it. Each receiver posts one receive per member that holds any
+  first message, before the messages arrive, and receives a rest at the size its
+  envelope announced (``_p2p.py``): nothing can abort the process, and a halo or a
+  small gather is one message each way. A payload of another size than the caller's
+  plan (all_gather with ``sizes``, permute, all_to_all with ``shapes``) arrives whole,
+  and its envelope says so. all_gather and all_to_all ranks receive from every
   other member, so every rank reads every head: every rank raises. A permute's error
   is raised by the ranks that receive (those that would have received garbage); a rank
   that only sends does not hear of it.
@@ -76,11 +74,11 @@ def head_of(kind: str, seq: int, extra: int, shape, dtype: torch.dtype, name: st
 
 def tag_of(seq: int) -> int:
     """The point-to-point tag of call ``seq``: calls in flight together never match each
-    other's messages (0 is left to scatter's pieces; ``PLAN_TAG`` and above to plans)."""
-    return 1 + seq % (PLAN_TAG - 1)
+    other's messages (0 is left to scatter's pieces)."""
+    return 1 + seq % (TAGS - 1)
 
 
-PLAN_TAG = 1 << 29  # added to a call's tag for its plans (_p2p.py): never an envelope's
+TAGS = 1 << 29  # point-to-point tags in use: 1 .. TAGS - 1
 
 
 def pack(head: list[int], payload: torch.Tensor | None, device) -> torch.Tensor:

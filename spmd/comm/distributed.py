@@ -30,10 +30,10 @@ carry the data (no extra round trip but before a ring reduction), for CPU tensor
   exchange their envelopes the same way and start gloo's ring reduction only once they
   agree (one more small collective: gloo aborts the process on a ring reduction whose
   sizes differ); larger all_gathers, all_to_alls and permutes go point to point,
-  envelope first (``_envelope.py`` says when the payload's receive is posted). Ranks
+  envelope first, a halo in one message each way (``_envelope.py``, ``_p2p.py``). Ranks
   that disagree about anything, element counts included, raise a ``CommError`` naming
   the op, the ranks and what differs, instead of reading garbage or gloo aborting the
-  process (a point-to-point payload is cut to its receiver's plan, ``_p2p.py``). Every
+  process (no message is larger than the receive it meets, ``_p2p.py``). Every
   rank raises (a permute: every rank that receives). Small reductions are reduced locally from every member's
   envelope, in process-group order: bitwise equal on every rank.
 - ``scatter`` is point to point, source to each other member, in pieces of at most 4 MiB

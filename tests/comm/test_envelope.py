@@ -132,9 +132,8 @@ def test_disagreement_raises_on_every_rank_gloo(gloo2):
 
 
 def _permute_short(mesh):
-    """Rank 0 sends 300 floats to rank 1, whose plan (its own x) says 301: the payload's
-    receive is posted with the envelope's, sized by the plan; a smaller payload arrives,
-    and the envelope says it is not what was planned."""
+    """Rank 0 sends 300 floats to rank 1, whose plan (its own x) says 301: the payload
+    arrives with its envelope, which says it is not what was planned."""
     try:
         return ("returned", spmd.ppermute(torch.ones(300 + mesh.rank), "sp", [(0, 1)]).shape)
     except CommError as e:
@@ -153,8 +152,9 @@ def test_a_permute_payload_shorter_than_planned_raises_on_the_receiver(gloo2):
 
 def _larger_than_planned(mesh, case):
     """A payload larger than its receiver planned (gloo aborts the process on a message
-    larger than its receive): the receiver's plan travels to the sender, which cuts the
-    payload to it. 1.2 MB payloads travel in two pieces, the rest after the plan."""
+    larger than its receive): every first message fits the receive posted for it, and
+    a rest is received at the size its envelope announced. 1.2 MB payloads travel in
+    two messages (the first 256 KiB with the envelope, then the rest)."""
     r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
     try:
         if case == "permute":  # rank 0 sends 301 floats to rank 1, which planned 300
@@ -198,7 +198,7 @@ def test_a_payload_larger_than_planned_raises_on_the_receiver(gloo2):
 
 
 def _two_pieces(mesh):
-    """Payloads above a piece (1 MiB), exact: the rest follows the first piece."""
+    """Payloads above a first message's 256 KiB, exact: the rest follows it."""
     r, g, c = mesh.rank, mesh.group("sp"), comm_of(mesh)
     x = torch.arange(600_000, dtype=torch.float32) + r
     return (spmd.ppermute(x, "sp", [(0, 1), (1, 0)]),
@@ -214,6 +214,39 @@ def test_payloads_of_two_pieces_are_exact(gloo2):
         assert torch.equal(pp, x + 1 - r)
         assert all(torch.equal(ag[i], (x[:300_001] + i) * 2) for i in range(2))
         assert all(torch.equal(a2a[i], x[:290_000] + i + 10 * r) for i in range(2))
+
+
+def _messages(mesh):
+    """The point-to-point messages this rank starts for an all_to_all of a halo-sized
+    block (3 KB: one message each way) and of a block above 256 KiB (a first message
+    and the rest; the rest's receive is posted once its envelope has arrived)."""
+    import torch.distributed as dist
+    started = []
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        started.extend("send" if op.op is dist.isend else "recv" for op in ops)
+        return real(ops)
+
+    g, c = mesh.group("sp"), comm_of(mesh)
+    out = []
+    dist.batch_isend_irecv = counting
+    try:
+        for n in (768, 100_000):
+            started.clear()
+            got = c.all_to_all([torch.full((n,), float(mesh.rank))] * 2, g, name="all_to_all",
+                               shapes=[(n,), (n,)])
+            out.append((sorted(started), [t.tolist()[:2] for t in got]))
+    finally:
+        dist.batch_isend_irecv = real
+    return out
+
+
+@pytest.mark.gloo
+def test_a_halo_is_one_message_each_way(gloo2):
+    for r, (small, large) in enumerate(gloo2.run(_messages, (2,), ("sp",), timeout=20)):
+        assert small == (["recv", "send"], [[0.0, 0.0], [1.0, 1.0]])
+        assert large == (["recv", "recv", "send", "send"], [[0.0, 0.0], [1.0, 1.0]])
 
 
 # -- ranks that agree: exact ------------------------------------------------------------------
