@@ -96,12 +96,12 @@ def _compute_together(mesh, shape: tuple[int, ...], repeats: int) -> list[float]
     return _compute(shape, repeats)
 
 
-def _gloo_steps(mesh, spec, size: int, steps: int) -> list[float]:
+def _gloo_steps(mesh, spec, size: int, steps: int, batch: int = 1) -> list[float]:
     """Seconds of each training step (forward, backward from a fixed cotangent, the
     gradient all-reduce shard_map does on processes) of this rank."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, size, size)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(batch, 4, size, size)
     f = spmd.shard_map(spmd.nn.convert(model, mesh, spec), mesh, spec, spec)
     w = torch.randn(x.shape[0], 1, size, size, generator=torch.Generator().manual_seed(1))
     out = []
@@ -121,12 +121,12 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: int,
-         load_s: float) -> None:
+         load_s: float, batch: int = 1, dims: tuple[int, ...] | None = None) -> None:
     """Plan for ``world`` ranks priced for this machine, run every candidate as gloo
     processes, and compare the orders where the predictions differ by more than the
     measured noise."""
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average "
-          f"{os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; input [1, 4, {size}, {size}]; "
+          f"{os.getloadavg()[0]:.2f}; {os.cpu_count()} cores; input [{batch}, 4, {size}, {size}]; "
           f"world {world}")
     # The network the candidates run on: gloo over loopback among `world` processes on
     # this machine (with more processes than cores a collective also waits for its
@@ -135,7 +135,7 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     print(f"network: {net!r}")
     # Compute as the run has it: `world` one-thread processes on the cores at once,
     # against one alone (as plan times it): the ratio is plan's compute_scale.
-    shard = (1, 4, size // world, size)
+    shard = (batch, 4, size // world, size)
     alone = statistics.median(_compute(shard, 9))
     together = max(statistics.median(r) for r in spmd.launch(
         _compute_together, (world,), ("sp",), backend="gloo", args=(shard, 9), timeout=300))
@@ -144,9 +144,9 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
           f"ms alone, {together * 1e3:.1f} ms with {world} processes at once (slowest "
           f"median): compute_scale {scale:.3f}")
     torch.manual_seed(0)
-    model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, size, size)
+    model, x = UNet(c=4, w=8, levels=3), torch.randn(batch, 4, size, size)
     plan = spmd.plan(model, x, ranks=world, network=net, compute_scale=scale,
-                     repeats=repeats, warmup=warmup)
+                     repeats=repeats, warmup=warmup, dims=dims)
     print(plan)
     # Candidates alternate, `rounds` times (a launch each): a drift in the load shows as
     # a difference between rounds, which counts in the noise.
@@ -157,7 +157,7 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     for _ in range(rounds):
         for i, c in enumerate(cands):
             res = spmd.launch(_gloo_steps, c.mesh_shape, c.axis_names, backend="gloo",
-                              args=(c.spec, size, steps), timeout=300)
+                              args=(c.spec, size, steps, batch), timeout=300)
             slowest = [max(r[0][k] for r in res) for k in range(steps)]
             calls[i] = max(r[1] for r in res)
             per_step[i] += slowest
@@ -203,6 +203,38 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     print(f"measured order:   {', '.join(name(cands[i]) for i in sorted(meas, key=meas.get))}")
     print(f"verdict: {agree} of {compared} pairs whose predictions differ by more than the "
           f"noise are measured in the predicted order")
+    # Calibrated, leaving the pair out: the per-call overhead comes from a third
+    # candidate's measured step (Plan.calibrated), so neither of the two compared was
+    # used to price them.
+    print("\ncalibrated on a third candidate (Plan.calibrated: the per-collective overhead "
+          "that makes its prediction its measured median):")
+    cal = {k: plan.calibrated(c, meas[k]) for k, c in enumerate(cands)}
+    for k, p_ in cal.items():
+        steps = {(c.mesh_shape, str(c.spec)): c.step_s for c in p_.ranked}
+        row = ", ".join(f"{name(c)} {steps[(c.mesh_shape, str(c.spec))] * 1e3:.1f}"
+                        for i, c in enumerate(cands) if i != k)
+        print(f"  on {name(cands[k])}: +{p_.network.overhead_s * 1e3:.2f} ms a collective; "
+              f"predicted {row}")
+    compared = agree = 0
+    for i in range(len(cands)):
+        for j in range(i + 1, len(cands)):
+            for k in (k for k in range(len(cands)) if k not in (i, j)):
+                steps = {(c.mesh_shape, str(c.spec)): c.step_s for c in cal[k].ranked}
+                a, b = (steps[(cands[x].mesh_shape, str(cands[x].spec))] for x in (i, j))
+                dp, dm, nz = b - a, meas[j] - meas[i], max(noise[i], noise[j])
+                head = f"{name(cands[i])} vs {name(cands[j])} (on {name(cands[k])})"
+                if abs(dp) <= nz:
+                    print(f"{head}: predictions {dp * 1e3:+.1f} ms apart, within the noise "
+                          f"({nz * 1e3:.1f} ms): not ranked")
+                    continue
+                compared += 1
+                ok = (dp > 0) == (dm > 0)
+                agree += ok
+                print(f"{head}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms "
+                      f"(noise {nz * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
+                      f"{'' if abs(dm) > nz else ' (the measured difference is within the noise)'}")
+    print(f"verdict, calibrated: {agree} of {compared} pair calibrations whose predictions "
+          f"differ by more than the noise are measured in the predicted order")
 
 
 def main() -> None:
@@ -216,10 +248,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--load-ms", type=float, default=1.5)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dims", default="")
     a = ap.parse_args()
     torch.set_num_threads(1)
     if a.gloo:
-        return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup, a.load_ms / 1e3)
+        dims = tuple(int(d) for d in a.dims.split(",")) if a.dims else None
+        return gloo(a.gloo, a.size, a.steps, a.rounds, a.repeats, a.warmup, a.load_ms / 1e3,
+                    a.batch, dims)
     torch.manual_seed(0)
     model, x = UNet(c=4, w=8, levels=3), torch.randn(1, 4, a.size, a.size)
     print(f"load average {os.getloadavg()[0]:.2f}; input {list(x.shape)}, 3-level U-Net")

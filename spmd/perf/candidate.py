@@ -123,7 +123,8 @@ class Plan:
         ranked: the usable ones, best first by ``objective`` (ties: step time, then
             memory, then bytes).
         best: ``ranked[0]``.
-        objective, ranks, network, memory_per_rank: what it was asked.
+        objective, ranks, network, memory_per_rank, grad_sync, compute_scale: what it
+            was asked.
         global_shape: the example's shape.
         timed_shapes: the local shapes whose compute was timed (each once).
         seconds: how long planning took here.
@@ -144,6 +145,8 @@ class Plan:
     global_shape: tuple[int, ...]
     timed_shapes: tuple[tuple[int, ...], ...]
     seconds: float
+    grad_sync: str = "end"
+    compute_scale: float = 1.0
 
     @property
     def ranked(self) -> list[Candidate]:
@@ -155,10 +158,47 @@ class Plan:
         """The best candidate by the objective."""
         return self.ranked[0]
 
+    def priced(self, network: Network) -> Plan:
+        """This plan with every candidate's step priced on ``network`` (nothing re-runs:
+        bytes, memory, collectives and compute were measured once), ranked again.
+
+        Example:
+            >>> net = torch.nn.Conv2d(1, 1, 3, padding=1)
+            >>> p = spmd.plan(net, torch.randn(1, 1, 16, 16), ranks=4, repeats=1, warmup=0,
+            ...               network=spmd.perf.NETWORKS["ib_ndr"])
+            >>> slow = p.priced(spmd.perf.Network(1e-3, 1e8, name="slow"))
+            >>> slow.network.name, slow.best.step_s > p.best.step_s
+            ('slow', True)
+        """
+        from .calibration import priced
+        return priced(self, network)
+
+    def calibrated(self, candidate: Candidate, step_s: float) -> Plan:
+        """This plan priced again with the per-call overhead (``Network.overhead_s``)
+        that makes ``candidate``'s predicted step the ``step_s`` seconds measured where
+        the plan is to run (a few steps of that candidate on the real processes): what
+        a step pays per collective beyond the fitted latency and bandwidth (the
+        library's Python around each op, a CPU transport's wake-ups on busy cores).
+
+        Example:
+            >>> net = torch.nn.Conv2d(1, 1, 3, padding=1)
+            >>> p = spmd.plan(net, torch.randn(1, 1, 16, 16), ranks=4, repeats=1, warmup=0,
+            ...               network=spmd.perf.NETWORKS["ib_ndr"])
+            >>> c = p.ranked[-1]
+            >>> cal = p.calibrated(c, 2 * c.step_s)
+            >>> mine = next(d for d in cal.ranked if d.spec == c.spec)
+            >>> round(mine.step_s / c.step_s, 6), cal.network.overhead_s > 0
+            (2.0, True)
+        """
+        from .calibration import calibrated
+        return calibrated(self, candidate, step_s)
+
     def table(self) -> str:
         """Every candidate, one row each, and what was measured and what modelled."""
+        over = (f" (+{self.network.overhead_s * 1e3:.3g} ms a collective)"
+                if self.network.overhead_s else "")
         head = (f"plan for {self.ranks} ranks, input {shape_str(self.global_shape)}, on "
-                f"{self.network.name}, by {self.objective}"
+                f"{self.network.name}{over}, by {self.objective}"
                 + (f", memory per rank <= {self.memory_per_rank:,} B"
                    if self.memory_per_rank is not None else ""))
         cols = f"  {'#':>2} {'mesh':<7} {'spec':<30} {'local':<18} {'sent B/rank':>12} " \

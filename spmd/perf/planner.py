@@ -475,7 +475,7 @@ def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: 
     shapes = tuple(k[1][0] for k, v in timings.items()
                    if k[0] == "compute" and (len(v) < 4 or v[3].startswith("timed")))
     return Plan(usable + over + refused, objective, ranks, network, memory_per_rank, shape,
-                shapes, time.perf_counter() - t0)
+                shapes, time.perf_counter() - t0, grad_sync, compute_scale)
 
 
 def _bad_dim(d: Any, shape: tuple[int, ...]) -> int:

@@ -389,3 +389,58 @@ def test_past_measure_ranks_a_candidate_is_predicted_from_a_small_mesh():
         assert c.comm_bytes == max(sent.values())
         assert abs(c.memory_bytes - max(memory.values())) <= 0.1 * max(memory.values())
         assert "Estimate.predict" in c.measured[0]
+
+
+# -- priced again: another network, an overhead calibrated from a measured step ------------
+
+def test_priced_on_another_network_equals_a_plan_made_on_it():
+    """Nothing re-runs: the same collectives and compute, priced on the other network,
+    give what planning on it gives (same timings: the plan's own)."""
+    plan = _plan("unet", 4)
+    slow = spmd.perf.Network(2e-3, 1e7, name="slow", overlap=0.5)
+    again = plan.priced(slow)
+    assert again.network is slow and plan.network is IB  # the original is left as it was
+    for c in again.ranked:
+        mine = next(d for d in plan.ranked if d.spec == c.spec and d.mesh_shape == c.mesh_shape)
+        direct = spmd.perf.planner._measured_step(mine.estimate, slow, grad_sync="end",
+                                                  compute_scale=1.0)
+        assert c.step_s == direct.step_s and c.comm_bytes == mine.comm_bytes
+        assert c.step_s > mine.step_s
+    assert [c.step_s for c in again.ranked] == sorted(c.step_s for c in again.ranked)
+    assert "slow" in str(again).splitlines()[0]
+
+
+def test_calibrated_overhead_makes_the_candidate_what_was_measured_and_reranks():
+    """The 2x2 split makes twice the collectives of a 1-D one: a large measured step for
+    one 1-D candidate, explained as per-collective overhead, adds more to the 2x2 split's
+    step than to the other 1-D one's."""
+    plan = _plan("unet", 4)
+    calls = {(c.mesh_shape, c.spec): sum(len(cs) for cs in c.estimate.comm.values())
+             // c.ranks for c in plan.ranked}
+    one_d = next(c for c in plan.ranked if len(c.mesh_shape) == 1)
+    cal = plan.calibrated(one_d, one_d.step_s + 0.5)
+    mine = next(c for c in cal.ranked if c.spec == one_d.spec)
+    assert mine.step_s == pytest.approx(one_d.step_s + 0.5, rel=1e-9)
+    over = cal.network.overhead_s
+    assert over > 0 and "calibrated" in cal.network.name
+    assert "ms a collective" in str(cal).splitlines()[0]
+    before = {(c.mesh_shape, c.spec): c.step_s for c in plan.ranked}
+    added = {(c.mesh_shape, c.spec): c.step_s - before[(c.mesh_shape, c.spec)]
+             for c in cal.ranked}
+    assert sorted(calls.values()) == [16, 16, 32]
+    two_d, other = (max(calls, key=calls.get),
+                    next(k for k in calls if calls[k] == 16 and k[1] != one_d.spec))
+    assert added[two_d] > 1.5 * added[other] > 0
+    # a measured step no slower than the prediction adds no overhead
+    same = plan.calibrated(one_d, one_d.step_s / 2)
+    assert same.network.overhead_s == 0
+
+
+def test_calibrated_refuses_what_it_cannot_use():
+    plan = _plan("unet", 4)
+    for bad in (0, -1.0, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="step_s must be a positive number"):
+            plan.calibrated(plan.best, bad)
+    stranger = Candidate((4,), ("d9",), P(None, None, None, None, "d9"))
+    with pytest.raises(ValueError, match="is not a priced candidate of this plan"):
+        plan.calibrated(stranger, 1.0)
