@@ -4,7 +4,8 @@ most 3 ranks per axis at its local shape and predicted (``measure_ranks``, defau
 and for 8 ranks, every candidate run at its own shape.
 
     python benchmarks/plan.py [--size 512] [--ranks 64,8] [--repeats 3] [--warmup 1]
-                              [--check] [--gloo 4 --steps 10 --rounds 2]
+                              [--check] [--gloo 4 --steps 10 --rounds 2 --load-ms 1.5
+                              --batch 1 --dims 0,2,3]
 
 Prints the load average, each plan's table and the seconds it took (one run each;
 the machine is shared: read the load). ``--check`` then runs every usable candidate
@@ -15,15 +16,19 @@ predicted ones too (``--size 128 --ranks 64 --check``: about 10 s a candidate).
 
 ``--gloo N`` plans for N ranks priced for the processes the candidates then run as:
 the network fitted on gloo here among N processes (loopback, ``fit_network`` at world
-N), and the compute scaled by what N one-thread processes computing at once measure
-against one alone (``compute_scale``: N > 2 oversubscribes this machine's two cores).
+N, each call after ``--load-ms`` of compute), and the compute scaled by what N
+one-thread processes computing at once measure against one alone (``compute_scale``:
+N > 2 oversubscribes this machine's two cores). ``--batch B --dims 0,2,3`` adds the
+batch to the splittable dims (a data-parallel candidate).
 It then runs every usable candidate as N gloo processes, the candidates alternating
 ``--rounds`` times, and prints per candidate the predicted step (compute + exposed
 collectives + gradient sync), the slowest rank's measured step (median and quartiles
 over the steps of every round), the noise (the interquartile range of those steps or
 the spread of the rounds' medians, whichever is larger) and the collectives a step;
 then, for every pair of candidates whose predictions differ by more than the larger
-of their noises, whether the measured order agrees.
+of their noises, whether the measured order agrees; then the same with the plan priced
+again with the per-collective overhead calibrated on each third candidate's measured
+step (``Plan.calibrated``), so that neither of a pair prices itself.
 """
 from __future__ import annotations
 
