@@ -10,7 +10,7 @@ from typing import Any
 from ..core._format import shape_str
 from ..core.mesh import Mesh
 from ..core.spec import P
-from . import model
+from . import model, pricing
 from .cost import Estimate
 from .network import Network
 
@@ -170,8 +170,7 @@ class Plan:
             >>> slow.network.name, slow.best.step_s > p.best.step_s
             ('slow', True)
         """
-        from .calibration import priced
-        return priced(self, network)
+        return pricing.priced(self, network)
 
     def calibrated(self, candidate: Candidate, step_s: float) -> Plan:
         """This plan priced again with the per-call overhead (``Network.overhead_s``)
@@ -190,8 +189,7 @@ class Plan:
             >>> round(mine.step_s / c.step_s, 6), cal.network.overhead_s > 0
             (2.0, True)
         """
-        from .calibration import calibrated
-        return calibrated(self, candidate, step_s)
+        return pricing.calibrated(self, candidate, step_s)
 
     def table(self) -> str:
         """Every candidate, one row each, and what was measured and what modelled."""

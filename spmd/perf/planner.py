@@ -25,8 +25,9 @@ from ..core.spec import P, entry_axes
 from . import _measure
 from . import model as cost_model
 from .candidate import OK, OVER, REFUSED, Candidate, Plan
-from .cost import Estimate, estimate
+from .cost import estimate
 from .network import Network
+from .pricing import measured_step, rank_key
 
 __all__ = ["plan", "factorizations"]
 
@@ -101,34 +102,6 @@ def _empty(shape: tuple[int, ...], sizes: tuple[int, ...], names: tuple[str, ...
 
 # -- pricing --------------------------------------------------------------------------------
 
-def _measured_step(est: Estimate, network: Network, grad_sync: str,
-                   compute_scale: float) -> cost_model.Prediction:
-    """The step on ``network`` from the collectives run on this very mesh (every rank's,
-    the one that stalls longest), compute timed at the largest shard: ``predict``'s
-    model without its re-measurement on a smaller mesh."""
-    f, b = est.forward_s / compute_scale, est.backward_s / compute_scale
-    events = {e.key: e for e in est._events(list(est.local_shapes)) or ()}
-    best = (-1.0, 0.0, 0)
-    for cs in est.comm.values():
-        keys = [(c.name, c.kind, c.pass_) for c in cs]
-        evs = [events.get((*k, o)) for k, o in zip(keys, _measure.ordinals(keys))]
-        times = [c.time(network) for c in cs]
-        t = cost_model.exposed(times, evs, f, b, network.overlap)
-        nbytes = sum(c.nbytes for c in cs)
-        if (t, nbytes) > (best[0], best[2]):
-            best = (t, sum(times) - t, nbytes)
-    comm_s, hidden_s, nbytes = best
-    n = math.prod(est.mesh_shape)
-    gs, gbytes, _ = cost_model._grad_sync(est, n, network, grad_sync, b)
-    sf, sb = est._time(list(est.global_shapes))
-    serial = (sf + sb) / compute_scale
-    step_s = f + b + comm_s + gs
-    eff = serial / (n * step_s) if step_s > 0 else 1.0
-    return cost_model.Prediction(n, est.mesh_shape, "strong", network.name, est.global_shapes,
-                            est.local_shapes, f, b, comm_s, gs, step_s, serial, eff, nbytes,
-                            gbytes, est.peak_activation_bytes, (), hidden_s)
-
-
 def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network,
            measure_ranks: int, timings: dict, kw: dict, predict_kw: dict) -> None:
     """Fill in ``c``'s costs (or mark it refused); its shard's compute is in ``timings``."""
@@ -139,7 +112,7 @@ def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network
         if n <= measure_ranks:
             mesh = Mesh(c.mesh_shape, c.axis_names, backend="threads")
             est = estimate(mdl, mesh, c.spec, x, timings=timings, **kw)
-            pred = _measured_step(est, network, **predict_kw)
+            pred = measured_step(est, network, **predict_kw)
     except (SpecError, RuntimeError) as e:
         _refused(c, e)
         return
@@ -290,15 +263,6 @@ def _time_shards(timings: dict, mdl: torch.nn.Module, x: torch.Tensor,
             f"{what} x {k:.4g} (the volume ratio: the model refuses the shard "
             f"{shape_str(shape)} as a whole input: {_first_line(e)})"))
     return failed
-
-
-def _rank_key(objective: str):
-    def key(c: Candidate) -> tuple:
-        order = {"time": (c.step_s, c.memory_bytes, c.comm_bytes),
-                 "memory": (c.memory_bytes, c.step_s, c.comm_bytes),
-                 "bytes": (c.comm_bytes, c.step_s, c.memory_bytes)}[objective]
-        return (*order, c.mesh_shape, str(c.spec))
-    return key
 
 
 def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: Network,
@@ -458,7 +422,7 @@ def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: 
             c.status = OVER
             c.reason = f"{c.memory_bytes:,} B > {memory_per_rank:,} B"
     usable = [c for c in candidates if c.status == OK]
-    over = sorted((c for c in candidates if c.status == OVER), key=_rank_key("memory"))
+    over = sorted((c for c in candidates if c.status == OVER), key=rank_key("memory"))
     refused = [c for c in candidates if c.status == REFUSED]
     if not usable and over:
         low = over[0]
@@ -471,7 +435,7 @@ def plan(model: torch.nn.Module, example: torch.Tensor, *, ranks: int, network: 
                             for c in refused)
         raise SpecError(f"{WHO}: no decomposition of {shape_str(shape)} over {ranks} ranks "
                         f"works for this model:\n{reasons}")
-    usable.sort(key=_rank_key(objective))
+    usable.sort(key=rank_key(objective))
     shapes = tuple(k[1][0] for k, v in timings.items()
                    if k[0] == "compute" and (len(v) < 4 or v[3].startswith("timed")))
     return Plan(usable + over + refused, objective, ranks, network, memory_per_rank, shape,

@@ -402,7 +402,7 @@ def test_priced_on_another_network_equals_a_plan_made_on_it():
     assert again.network is slow and plan.network is IB  # the original is left as it was
     for c in again.ranked:
         mine = next(d for d in plan.ranked if d.spec == c.spec and d.mesh_shape == c.mesh_shape)
-        direct = spmd.perf.planner._measured_step(mine.estimate, slow, grad_sync="end",
+        direct = spmd.perf.pricing.measured_step(mine.estimate, slow, grad_sync="end",
                                                   compute_scale=1.0)
         assert c.step_s == direct.step_s and c.comm_bytes == mine.comm_bytes
         assert c.step_s > mine.step_s

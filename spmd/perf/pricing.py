@@ -1,5 +1,6 @@
-"""A plan priced again on another network, and a network's per-call overhead calibrated
-from one candidate's measured step.
+"""Pricing a candidate's step from what its run measured (``measured_step``), a plan
+priced again on another network (``priced``), and a network's per-call overhead
+calibrated from one candidate's measured step (``calibrated``).
 
 The fitted latency and bandwidth time collectives on their own (``fit_network``); a
 real step pays per collective what they do not see: the library's Python around each
@@ -17,29 +18,68 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
+from . import _measure
+from . import model as cost_model
+from .cost import Estimate
 from .network import Network
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .candidate import Candidate, Plan
+__all__ = ["measured_step", "rank_key", "priced", "calibrated"]
 
-__all__ = ["priced", "calibrated"]
+OK = "ok"  # candidate.OK (candidate.py imports this module)
 
 
-def _prediction(c: Candidate, plan: Plan, network: Network):
-    from .planner import _measured_step
+def measured_step(est: Estimate, network: Network, grad_sync: str,
+                   compute_scale: float) -> cost_model.Prediction:
+    """The step on ``network`` from the collectives run on this very mesh (every rank's,
+    the one that stalls longest), compute timed at the largest shard: ``predict``'s
+    model without its re-measurement on a smaller mesh."""
+    f, b = est.forward_s / compute_scale, est.backward_s / compute_scale
+    events = {e.key: e for e in est._events(list(est.local_shapes)) or ()}
+    best = (-1.0, 0.0, 0)
+    for cs in est.comm.values():
+        keys = [(c.name, c.kind, c.pass_) for c in cs]
+        evs = [events.get((*k, o)) for k, o in zip(keys, _measure.ordinals(keys))]
+        times = [c.time(network) for c in cs]
+        t = cost_model.exposed(times, evs, f, b, network.overlap)
+        nbytes = sum(c.nbytes for c in cs)
+        if (t, nbytes) > (best[0], best[2]):
+            best = (t, sum(times) - t, nbytes)
+    comm_s, hidden_s, nbytes = best
+    n = math.prod(est.mesh_shape)
+    gs, gbytes, _ = cost_model._grad_sync(est, n, network, grad_sync, b)
+    sf, sb = est._time(list(est.global_shapes))
+    serial = (sf + sb) / compute_scale
+    step_s = f + b + comm_s + gs
+    eff = serial / (n * step_s) if step_s > 0 else 1.0
+    return cost_model.Prediction(n, est.mesh_shape, "strong", network.name, est.global_shapes,
+                            est.local_shapes, f, b, comm_s, gs, step_s, serial, eff, nbytes,
+                            gbytes, est.peak_activation_bytes, (), hidden_s)
+
+
+def rank_key(objective: str) -> Any:
+    """The sort key of candidates by ``objective`` (ties: step, memory, bytes, then mesh
+    shape and spec)."""
+    def key(c: Any) -> tuple:
+        order = {"time": (c.step_s, c.memory_bytes, c.comm_bytes),
+                 "memory": (c.memory_bytes, c.step_s, c.comm_bytes),
+                 "bytes": (c.comm_bytes, c.step_s, c.memory_bytes)}[objective]
+        return (*order, c.mesh_shape, str(c.spec))
+    return key
+
+
+def _prediction(c: Any, plan: Any, network: Network) -> cost_model.Prediction:
     kw = dict(grad_sync=plan.grad_sync, compute_scale=plan.compute_scale)
     if c.measured_mesh:
-        return _measured_step(c.estimate, network, **kw)
+        return measured_step(c.estimate, network, **kw)
     return c.estimate.predict(mesh_shape=c.mesh_shape, network=network,
                               shapes=[plan.global_shape], **kw)
 
 
-def priced(plan: Plan, network: Network) -> Plan:
+def priced(plan: Any, network: Network) -> Any:
     """``plan`` with every usable or over-budget candidate's step priced on ``network``
     (bytes and memory do not depend on it), ranked again."""
-    from .planner import _rank_key
     if not isinstance(network, Network):
         raise TypeError(f"Plan.priced: network must be a spmd.perf.Network, got "
                         f"{type(network).__name__}")
@@ -48,12 +88,12 @@ def priced(plan: Plan, network: Network) -> Plan:
         if c.prediction is not None and c.estimate is not None:
             c = dataclasses.replace(c, prediction=_prediction(c, plan, network))
         cands.append(c)
-    usable = sorted((c for c in cands if c.status == "ok"), key=_rank_key(plan.objective))
-    rest = [c for c in cands if c.status != "ok"]
+    usable = sorted((c for c in cands if c.status == OK), key=rank_key(plan.objective))
+    rest = [c for c in cands if c.status != OK]
     return dataclasses.replace(plan, candidates=usable + rest, network=network)
 
 
-def calibrated(plan: Plan, candidate: Candidate, step_s: float) -> Plan:
+def calibrated(plan: Any, candidate: Any, step_s: float) -> Any:
     """``plan`` priced on its network plus the per-call overhead (``Network.overhead_s``)
     that makes ``candidate``'s predicted step equal ``step_s``, measured where it runs.
 
