@@ -125,6 +125,25 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
+def _label(c) -> str:
+    return f"{'x'.join(map(str, c.mesh_shape))} {c.spec}"
+
+
+def _compare(pair: str, dp: float, dm: float, noise: float) -> bool | None:
+    """Print whether a pair's predicted order (``dp``: the second's step minus the
+    first's) is the measured one (``dm``); None where the predictions are within the
+    noise (not ranked)."""
+    if abs(dp) <= noise:
+        print(f"{pair}: predictions {dp * 1e3:+.1f} ms apart, within the noise "
+              f"({noise * 1e3:.1f} ms): not ranked")
+        return None
+    ok = (dp > 0) == (dm > 0)
+    print(f"{pair}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms (noise "
+          f"{noise * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
+          f"{'' if abs(dm) > noise else ' (the measured difference is within the noise)'}")
+    return ok
+
+
 def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: int,
          load_s: float, batch: int = 1, dims: tuple[int, ...] | None = None) -> None:
     """Plan for ``world`` ranks priced for this machine, run every candidate as gloo
@@ -189,23 +208,13 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     compared = agree = 0
     for i in range(len(cands)):
         for j in range(i + 1, len(cands)):
-            a, b = cands[i], cands[j]
-            names = (f"{'x'.join(map(str, a.mesh_shape))} {a.spec} vs "
-                     f"{'x'.join(map(str, b.mesh_shape))} {b.spec}")
-            dp, dm, nz = b.step_s - a.step_s, meas[j] - meas[i], max(noise[i], noise[j])
-            if abs(dp) <= nz:
-                print(f"{names}: predictions {dp * 1e3:+.1f} ms apart, within the noise "
-                      f"({nz * 1e3:.1f} ms): not ranked")
-                continue
-            compared += 1
-            ok = (dp > 0) == (dm > 0)
-            agree += ok
-            print(f"{names}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms "
-                  f"(noise {nz * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
-                  f"{'' if abs(dm) > nz else ' (the measured difference is within the noise)'}")
-    name = lambda c: f"{'x'.join(map(str, c.mesh_shape))} {c.spec}"  # noqa: E731
-    print(f"\nplan's order:     {', '.join(name(c) for c in cands)}")
-    print(f"measured order:   {', '.join(name(cands[i]) for i in sorted(meas, key=meas.get))}")
+            ok = _compare(f"{_label(cands[i])} vs {_label(cands[j])}",
+                          cands[j].step_s - cands[i].step_s, meas[j] - meas[i],
+                          max(noise[i], noise[j]))
+            compared += ok is not None
+            agree += bool(ok)
+    print(f"\nplan's order:     {', '.join(_label(c) for c in cands)}")
+    print(f"measured order:   {', '.join(_label(cands[i]) for i in sorted(meas, key=meas.get))}")
     print(f"verdict: {agree} of {compared} pairs whose predictions differ by more than the "
           f"noise are measured in the predicted order")
     # Calibrated, leaving the pair out: the per-call overhead comes from a third
@@ -216,9 +225,9 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
     cal = {k: plan.calibrated(c, meas[k]) for k, c in enumerate(cands)}
     for k, p_ in cal.items():
         steps = {(c.mesh_shape, str(c.spec)): c.step_s for c in p_.ranked}
-        row = ", ".join(f"{name(c)} {steps[(c.mesh_shape, str(c.spec))] * 1e3:.1f}"
+        row = ", ".join(f"{_label(c)} {steps[(c.mesh_shape, str(c.spec))] * 1e3:.1f}"
                         for i, c in enumerate(cands) if i != k)
-        print(f"  on {name(cands[k])}: +{p_.network.overhead_s * 1e3:.2f} ms a collective; "
+        print(f"  on {_label(cands[k])}: +{p_.network.overhead_s * 1e3:.2f} ms a collective; "
               f"predicted {row}")
     compared = agree = 0
     for i in range(len(cands)):
@@ -226,18 +235,10 @@ def gloo(world: int, size: int, steps: int, rounds: int, repeats: int, warmup: i
             for k in (k for k in range(len(cands)) if k not in (i, j)):
                 steps = {(c.mesh_shape, str(c.spec)): c.step_s for c in cal[k].ranked}
                 a, b = (steps[(cands[x].mesh_shape, str(cands[x].spec))] for x in (i, j))
-                dp, dm, nz = b - a, meas[j] - meas[i], max(noise[i], noise[j])
-                head = f"{name(cands[i])} vs {name(cands[j])} (on {name(cands[k])})"
-                if abs(dp) <= nz:
-                    print(f"{head}: predictions {dp * 1e3:+.1f} ms apart, within the noise "
-                          f"({nz * 1e3:.1f} ms): not ranked")
-                    continue
-                compared += 1
-                ok = (dp > 0) == (dm > 0)
-                agree += ok
-                print(f"{head}: predicted {dp * 1e3:+.1f} ms, measured {dm * 1e3:+.1f} ms "
-                      f"(noise {nz * 1e3:.1f} ms): {'agree' if ok else 'DISAGREE'}"
-                      f"{'' if abs(dm) > nz else ' (the measured difference is within the noise)'}")
+                ok = _compare(f"{_label(cands[i])} vs {_label(cands[j])} (on {_label(cands[k])})",
+                              b - a, meas[j] - meas[i], max(noise[i], noise[j]))
+                compared += ok is not None
+                agree += bool(ok)
     print(f"verdict, calibrated: {agree} of {compared} pair calibrations whose predictions "
           f"differ by more than the noise are measured in the predicted order")
 
