@@ -102,9 +102,9 @@ class _Flight:
             nb, buf = h[NBYTES], self.recvs[m][0]
             if m in whole:
                 out[m] = as_tensor(whole[m], h)
-            elif nb <= INLINE:
-                out[m] = payload_of(buf, h)
-            else:  # a copy: the first message's buffer is FIRST bytes long
+            elif nb <= INLINE:  # copies: a view would keep the whole receive alive
+                out[m] = payload_of(buf, h).clone()
+            else:
                 out[m] = as_tensor(buf[SIZE:SIZE + nb].clone(), h)
         return out
 
