@@ -27,7 +27,7 @@ from . import model as cost_model
 from .candidate import OK, OVER, REFUSED, Candidate, Plan
 from .cost import estimate
 from .network import Network
-from .pricing import measured_step, rank_key
+from .pricing import measured_step, modelled, rank_key
 
 __all__ = ["plan", "factorizations"]
 
@@ -149,11 +149,7 @@ def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network
         c.output_bytes = max(est.output_bytes.values(), default=0)
         c.measured = ("bytes per rank: comm_stats of a step on a threads mesh of this shape",
                       "saved and output bytes: saved_tensors_hooks per rank on that mesh", what)
-        hides = (f", at most {network.overlap:.0%} of each hidden" if network.overlap < 1
-                 else "")
-        c.modelled = (f"collective times: {network.name}'s latency and bandwidth, overlap as "
-                      f"on the 1-rank run{hides}",
-                      f"gradient all-reduce over {n} ranks (threads share the weights)")
+        c.modelled = modelled(c, network, pred)
     else:
         c.measured_mesh = False
         c.comm_bytes = pred.comm_bytes
@@ -164,8 +160,7 @@ def _price(c: Candidate, mdl: torch.nn.Module, x: torch.Tensor, network: Network
         c.measured = (f"bytes and memory: comm_stats and saved_tensors_hooks of the busiest "
                       f"rank of a {mesh} threads mesh whose shards have the target's local "
                       f"shape (Estimate.predict)", what)
-        c.modelled = (f"bytes per rank on {'x'.join(map(str, c.mesh_shape))}: the interior "
-                      f"rank's of the {mesh} mesh", *pred.notes[1:])
+        c.modelled = modelled(c, network, pred)
 
 
 def _first_line(e: Exception) -> str:

@@ -25,7 +25,7 @@ from . import model as cost_model
 from .cost import Estimate
 from .network import Network
 
-__all__ = ["measured_step", "rank_key", "priced", "calibrated"]
+__all__ = ["measured_step", "modelled", "rank_key", "priced", "calibrated"]
 
 OK = "ok"  # candidate.OK (candidate.py imports this module)
 
@@ -69,6 +69,20 @@ def rank_key(objective: str) -> Any:
     return key
 
 
+def modelled(c: Any, network: Network, pred: cost_model.Prediction) -> tuple[str, ...]:
+    """What of candidate ``c``'s price on ``network`` is modelled (the table says it)."""
+    if c.measured_mesh:
+        hides = (f", at most {network.overlap:.0%} of each hidden" if network.overlap < 1
+                 else "")
+        over = (f", +{network.overhead_s * 1e3:.3g} ms a call" if network.overhead_s else "")
+        return (f"collective times: {network.name}'s latency and bandwidth{over}, overlap "
+                f"as on the 1-rank run{hides}",
+                f"gradient all-reduce over {c.ranks} ranks (threads share the weights)")
+    small = "x".join(str(min(t, 3)) for t in c.mesh_shape)
+    return (f"bytes per rank on {'x'.join(map(str, c.mesh_shape))}: the interior rank's of "
+            f"the {small} mesh", *pred.notes[1:])
+
+
 def _prediction(c: Any, plan: Any, network: Network) -> cost_model.Prediction:
     kw = dict(grad_sync=plan.grad_sync, compute_scale=plan.compute_scale)
     if c.measured_mesh:
@@ -86,7 +100,8 @@ def priced(plan: Any, network: Network) -> Any:
     cands = []
     for c in plan.candidates:
         if c.prediction is not None and c.estimate is not None:
-            c = dataclasses.replace(c, prediction=_prediction(c, plan, network))
+            pred = _prediction(c, plan, network)
+            c = dataclasses.replace(c, prediction=pred, modelled=modelled(c, network, pred))
         cands.append(c)
     usable = sorted((c for c in cands if c.status == OK), key=rank_key(plan.objective))
     rest = [c for c in cands if c.status != OK]

@@ -406,6 +406,7 @@ def test_priced_on_another_network_equals_a_plan_made_on_it():
                                                   compute_scale=1.0)
         assert c.step_s == direct.step_s and c.comm_bytes == mine.comm_bytes
         assert c.step_s > mine.step_s
+        assert "slow's latency" in c.modelled[0] and "at most 50% of each hidden" in c.modelled[0]
     assert [c.step_s for c in again.ranked] == sorted(c.step_s for c in again.ranked)
     assert "slow" in str(again).splitlines()[0]
 
@@ -424,6 +425,7 @@ def test_calibrated_overhead_makes_the_candidate_what_was_measured_and_reranks()
     over = cal.network.overhead_s
     assert over > 0 and "calibrated" in cal.network.name
     assert "ms a collective" in str(cal).splitlines()[0]
+    assert all(f"+{over * 1e3:.3g} ms a call" in c.modelled[0] for c in cal.ranked)
     before = {(c.mesh_shape, c.spec): c.step_s for c in plan.ranked}
     added = {(c.mesh_shape, c.spec): c.step_s - before[(c.mesh_shape, c.spec)]
              for c in cal.ranked}
