@@ -81,9 +81,11 @@ def tag_of(seq: int) -> int:
 TAGS = 1 << 29  # point-to-point tags in use: 1 .. TAGS - 1
 
 
-def pack(head: list[int], payload: torch.Tensor | None, device) -> torch.Tensor:
-    """An envelope: ``head``, then ``payload``'s bytes (contiguous) where they fit."""
-    env = torch.zeros(SIZE, dtype=torch.uint8, device=device)
+def pack(head: list[int], payload: torch.Tensor | None, device, room: int = 0) -> torch.Tensor:
+    """An envelope: ``head``, then ``payload``'s bytes (contiguous) where they fit;
+    ``room`` more bytes after it, left to the caller (uninitialised)."""
+    env = torch.empty(SIZE + room, dtype=torch.uint8, device=device)
+    env[:SIZE].zero_()
     env[:HEAD].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
     nb = head[NBYTES]
     if payload is not None and 0 < nb <= INLINE:

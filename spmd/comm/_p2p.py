@@ -15,9 +15,9 @@ No message is ever larger than the receive it meets (gloo aborts the process on 
 a first message holds at most ``SIZE + FIRST`` bytes whatever the sender believes, and a
 rest is received at the size its own envelope announced. One message each way is the
 point: on gloo over loopback each message costs a wake-up of the peer's transport
-thread, and inside a training step (cores busy computing) a halo exchange of three
-messages each way took ~1.5-2 ms against ~0.4 ms for one (benchmarks/collective_overhead.py,
-docs/performance.md).
+thread, and with the cores busy computing a halo exchange of three messages each way
+(and a receive posted ahead) took 1.6-2.7 ms around a 0.3 ms convolution, one message
+each way 0.8-1.1 ms (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -188,8 +188,6 @@ def _first(head: list[int], payload: torch.Tensor, device) -> torch.Tensor:
     nb = head[NBYTES]
     if nb <= INLINE:
         return pack(head, payload, device)
-    msg = torch.empty(SIZE + min(nb, FIRST), dtype=torch.uint8, device=device)
-    msg[:HEAD].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
-    msg[HEAD:SIZE].zero_()
+    msg = pack(head, None, device, room=min(nb, FIRST))
     msg[SIZE:].copy_(_bytes(payload)[:FIRST])
     return msg
