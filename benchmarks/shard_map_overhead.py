@@ -9,12 +9,21 @@ and the gradient of the latter (``f(x).backward()`` with ``x.requires_grad``). E
 is the median over repeats of the mean time per call (microseconds), for each mesh
 ``schedule`` (``"greenlets"``: ranks switch in the calling thread at collectives;
 ``"threads"``: a thread per rank) and ``rng`` (``"per_rank"``: each rank draws from its
-own generator). The row "bare threads" is the floor of any design with a thread per
-rank: ``x * 2`` on n threads, released and joined with raw locks, nothing else.
+own generator). Three rows are floors, with none of spmd: "bare threads" (any design
+with a thread per rank: ``x * 2`` on n threads, released and joined with raw locks),
+"bare greenlets" (a greenlet per rank: each rank's narrow and body on a persistent
+greenlet, the psum a switch to the caller, which adds the ranks' values, or in grad
+mode applies one autograd Function over every rank's value) and "one loop" (no rank
+switches at all: the ranks' bodies one after the other in one loop, so it cannot wait
+in a collective; the psum as above). Whatever runs each rank's torch ops eagerly, with
+an autograd graph per rank, pays at least the "one loop" row. The row "ranks batched" is
+another kind of program: one torch op for all ranks, on the ranks' shards stacked along
+a new leading dim (the psum a sum over it), which is what a body traced once and run on
+rank-stacked tensors (JAX's ``vmap`` with an axis name) would cost at least.
 
 The project's targets, 8 ranks on a 2-core CPU machine: x * 2 <= 150 us, psum <= 250
 us, its gradient <= 400 us (JAX 0.10.2's jit-compiled shard_map on 8 fake CPU devices,
-same kind of machine: 275 / 345 / 100 us).
+same kind of machine: 275 / 345 / 100 us; ``benchmarks/jax_shard_map.py`` times them).
 """
 from __future__ import annotations
 
@@ -81,6 +90,107 @@ def bare_handoff(n: int, body, x, calls: int, repeats: int) -> float:
     return us
 
 
+class _MeshSum(torch.autograd.Function):
+    """A sum over every rank's value, as one node (what spmd's psum is on greenlets)."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        total = xs[0]
+        for t in xs[1:]:
+            total = total + t
+        return tuple(total.clone() for _ in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        total = gs[0]
+        for g in gs[1:]:
+            total = total + g
+        return tuple(total for _ in gs)
+
+
+def _mesh_sum(parts: list) -> list:
+    if torch.is_grad_enabled() and any(p.requires_grad for p in parts):
+        return list(_MeshSum.apply(*parts))
+    total = parts[0]
+    for t in parts[1:]:
+        total = total + t
+    return [total.clone() for _ in parts]
+
+
+def bare_greenlets(n: int, body, calls: int, repeats: int) -> tuple[float, float, float]:
+    """The floor of a greenlet per rank: (x * 2, psum, grad psum) with none of spmd."""
+    from greenlet import getcurrent, greenlet
+
+    main, k = getcurrent(), 64 // n
+    src = {"x": torch.randn(64, 16)}
+    res: list = [None] * n
+    parts: list = [None] * n
+    summed: list = [None]
+
+    def work(_):
+        job = main.switch(None)
+        while True:
+            kind, r = job
+            t = body(src["x"].narrow(0, k * r, k))
+            if kind == "psum":
+                parts[r] = t.sum()
+                main.switch("wait")
+                t = summed[0][r]
+            res[r] = t
+            job = main.switch("done")
+
+    workers = [greenlet(work, main) for _ in range(n)]
+    for w in workers:
+        w.switch(None)
+
+    def fwd():
+        for r, w in enumerate(workers):
+            w.switch(("x2", r))
+        return torch.cat(res)
+
+    def red():
+        for r, w in enumerate(workers):
+            w.switch(("psum", r))
+        summed[0] = _mesh_sum(parts)
+        for w in workers:
+            w.switch()
+        return res[0]
+
+    a = per_call(fwd, calls, repeats)
+    b = per_call(red, calls, repeats)
+    src["x"] = src["x"].requires_grad_()
+    c = per_call(lambda: red().backward(), max(1, calls // 2), repeats)
+    return a, b, c
+
+
+def one_loop(n: int, body, calls: int, repeats: int) -> tuple[float, float, float]:
+    """The floor of any per-rank eager program: the ranks one after the other."""
+    k = 64 // n
+    x = torch.randn(64, 16)
+    xg = x.clone().requires_grad_()
+
+    def red(x):
+        return _mesh_sum([body(x.narrow(0, k * r, k)).sum() for r in range(n)])[0]
+
+    return (per_call(lambda: torch.cat([body(x.narrow(0, k * r, k)) for r in range(n)]),
+                     calls, repeats),
+            per_call(lambda: red(x), calls, repeats),
+            per_call(lambda: red(xg).backward(), max(1, calls // 2), repeats))
+
+
+def ranks_batched(n: int, body, calls: int, repeats: int) -> tuple[float, float, float]:
+    """One op for all ranks: the shards stacked along a new dim 0, the psum a sum over it."""
+    x = torch.randn(64, 16)
+    xg = x.clone().requires_grad_()
+
+    def red(x):
+        return body(x.view(n, 64 // n, 16)).sum((1, 2)).sum().expand(n)[0]
+
+    return (per_call(lambda: body(x.view(n, 64 // n, 16)).view(64, 16), calls, repeats),
+            per_call(lambda: red(x), calls, repeats),
+            per_call(lambda: red(xg).backward(), max(1, calls // 2), repeats))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +219,11 @@ def main() -> None:
     for n in [int(r) for r in a.ranks.split(",")]:
         bare = bare_handoff(n, body, x, a.calls, a.repeats)
         print(f"| {n} | bare threads, no spmd | | {bare:.1f} | | |")
+        for name, fn in (("bare greenlets, no spmd", bare_greenlets),
+                         ("one loop, no spmd", one_loop), ("ranks batched, no spmd",
+                                                           ranks_batched)):
+            cols = " | ".join(f"{v:.1f}" for v in fn(n, body, a.calls, a.repeats))
+            print(f"| {n} | {name} | | {cols} |")
         for schedule in a.schedule.split(","):
             for rng in a.rng.split(","):
                 mesh = spmd.Mesh((n,), ("sp",), rng=rng, schedule=schedule)
