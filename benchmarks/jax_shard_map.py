@@ -15,6 +15,7 @@ must be set before JAX starts).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import statistics
@@ -67,9 +68,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=7)
     a = ap.parse_args()
-    try:
-        import jax  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("jax") is None:
         print("JAX is not installed in this python: see the docstring (a venv of its own)")
         return
     print(f"{os.cpu_count()} cores, Python {platform.python_version()}, load average "
