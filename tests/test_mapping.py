@@ -622,3 +622,118 @@ def test_the_agreement_check_fingerprints_specs_as_they_are_now():
     before = _spec_crc(listed)
     listed[0] = P(None, "x")
     assert _spec_crc(listed) == _crc(repr(listed)) != before
+
+
+# -- a replicated output's claim, checked by default where it costs no message -----------------
+
+@pytest.mark.parametrize("schedule", ["greenlets", "threads"])
+def test_a_psum_left_out_is_refused_by_default(schedule):
+    """The classic SPMD slip: a rank's partial sum returned under out_specs P(). Checked
+    by default on the simulated mesh (no message: every rank's value is at hand), named
+    like check_rep=True's, with the way out."""
+    mesh = spmd.Mesh((4,), ("sp",), schedule=schedule)
+    x = torch.arange(8.0)
+    bad = spmd.shard_map(lambda s: s.sum(), mesh, P("sp"), P())
+    with pytest.raises(spmd.SpecError, match=r"shard_map: out is claimed replicated over "
+                       r"\['sp'\] by out_specs P\(\), but rank 1 differs from rank 0 at "
+                       r"local index \[\]: 5\.0 vs 1\.0 \(by more than 0\.00035 of its "
+                       r"largest magnitude\); .*\(e\.g\. psum\); check_rep=False skips"):
+        bad(x)
+    assert spmd.shard_map(lambda s: spmd.psum(s.sum(), "sp"), mesh, P("sp"), P())(x) == 28.0
+    # opted out: rank 0's copy, as JAX's check_rep=False
+    assert spmd.shard_map(lambda s: s.sum(), mesh, P("sp"), P(), check_rep=False)(x) == 1.0
+
+
+def test_the_default_check_covers_the_replicated_axes_of_a_split_output():
+    """P('sp') on a ('dp', 'sp') mesh claims the shards agree over 'dp'."""
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    x = torch.arange(4.0)
+    f = spmd.shard_map(lambda s: s + spmd.axis_index("dp"), mesh, P("sp"), P("sp"))
+    with pytest.raises(spmd.SpecError, match=r"replicated over \['dp'\] by out_specs "
+                       r"P\('sp'\), but rank 2 differs from rank 0 at local index \[0\]"):
+        f(x)
+
+
+def _rotated_sum(s):
+    """Every rank sums the same gathered values, each starting at its own index: the same
+    number up to rounding (as a ring of ppermutes gives)."""
+    v = spmd.all_gather(s, "sp", tiled=True).roll(-int(spmd.axis_index("sp")) * 5)
+    total = v[0]
+    for t in v[1:]:
+        total = total + t
+    return total
+
+
+def test_the_default_check_lets_rounding_pass_and_check_rep_true_does_not():
+    mesh = spmd.Mesh((4,), ("sp",))
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(40, generator=g) * 10 ** torch.randint(-3, 4, (40,), generator=g).float()
+    with pytest.raises(spmd.SpecError, match=r"shard_map\(check_rep=True\): .* rank \d "
+                       r"differs from rank 0"):  # the ranks' copies are not bit-equal
+        spmd.shard_map(_rotated_sum, mesh, P("sp"), P(), check_rep=True)(x)
+    got = spmd.shard_map(_rotated_sum, mesh, P("sp"), P())(x)
+    torch.testing.assert_close(got, x.sum(), rtol=1e-5, atol=0)
+
+
+def test_the_default_check_on_nan_inf_and_integers():
+    """NaN where every rank has NaN and equal infinities agree; a NaN or an infinity on one
+    rank only does not, nor does an integer off by one (integers are compared exactly)."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    nan, inf = float("nan"), float("inf")
+    one = lambda v: spmd.shard_map(lambda s: torch.tensor(v[int(spmd.axis_index("sp"))]),  # noqa: E731
+                                   mesh, P("sp"), P())(torch.ones(2))
+    assert one([[nan, inf, 1.0]] * 2)[0].isnan()
+    for v, idx in (([[nan, 1.0], [0.0, 1.0]], 0), ([[1.0, inf], [1.0, -inf]], 1),
+                   ([[1.0, inf], [1.0, 3e38]], 1), ([[5, 7], [5, 8]], 1)):
+        with pytest.raises(spmd.SpecError, match=rf"rank 1 differs from rank 0 at local "
+                           rf"index \[{idx}\]"):
+            one(v)
+
+
+def test_the_default_check_follows_spmd_validate_0(monkeypatch):
+    monkeypatch.setenv("SPMD_VALIDATE", "0")
+    mesh = spmd.Mesh((2,), ("sp",))
+    assert spmd.shard_map(lambda s: s.sum(), mesh, P("sp"), P())(torch.arange(4.0)) == 1.0
+
+
+def test_a_nested_call_checks_only_the_axes_it_maps():
+    """Nested in a body mapped over 'dp', a call whose output is P() claims nothing about
+    'dp' (each outer rank holds its own rows); over 'sp' it is checked."""
+    mesh = spmd.Mesh((2, 2), ("dp", "sp"))
+    x = torch.arange(16.0, dtype=DT).reshape(4, 4)
+    bad = spmd.shard_map(lambda v: v.sum(-1), mesh, P(None, "sp"), P())
+    outer = spmd.shard_map(lambda v: bad(v), mesh, P("dp"), P("dp"))
+    with torch.no_grad(), pytest.raises(spmd.SpecError, match=r"replicated over \['sp'\]"):
+        outer(x)
+
+
+def test_per_rank_copies_of_a_shared_tensor_are_made_before_any_body_runs():
+    """launch's rank threads (or greenlets) passed one tensor: rank 0 runs on it, the
+    others on copies, all made before any rank changes it in place (as processes each
+    have theirs): every rank returns 2, none 4."""
+    def per_rank(mesh, s):
+        return spmd.shard_map(lambda s: s.mul_(2), mesh, P(), P(), check_rep=False)(s).tolist()
+    s = torch.ones(2)
+    assert spmd.launch(per_rank, (3,), "sp", args=(s,)) == [[2.0, 2.0]] * 3
+    assert s.tolist() == [2.0, 2.0]
+
+
+def _replicated_slip(mesh):
+    comm = spmd.comm.comm_of(mesh)
+    f = spmd.shard_map(lambda s: s.sum(), mesh, P("sp"), P())
+    quiet = f(torch.arange(4.0)).item()  # processes: no message by default, rank's own
+    comm.validate = True
+    try:
+        f(torch.arange(4.0))
+    except spmd.SpecError as e:
+        return quiet, str(e)
+    finally:
+        comm.validate = False  # the pool's processes serve later tests
+    return quiet, None
+
+
+@pytest.mark.gloo
+def test_processes_check_the_claim_under_validation(gloo2):
+    got = gloo2.run(_replicated_slip, (2,), ("sp",))
+    assert [q for q, _ in got] == [1.0, 5.0]
+    assert all(e is not None and "rank 1 differs from rank 0" in e for _, e in got), got

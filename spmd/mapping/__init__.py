@@ -48,7 +48,7 @@ _NOTHING: list = []  # a call's trace where its body made no size exchange (neve
 
 
 def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
-              check_rep: bool = False,
+              check_rep: bool | None = None,
               params: Sequence[torch.Tensor] | None = None,
               static_layouts: bool = True) -> Callable:
     """Map ``f`` over the shards of its arguments on every rank of ``mesh``.
@@ -62,7 +62,14 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
             split by the balanced rule.
         out_specs: a pytree prefix of ``f``'s output. A mesh axis missing from an
             output's spec claims the output is the same on every rank of that axis.
-        check_rep: verify that claim and name the first rank and index that differ.
+        check_rep: how that claim is verified (a rank whose copy differs is a
+            ``SpecError`` naming it and the first index that differs). None (default):
+            where it costs no message, on a threads mesh (and on processes under
+            ``SPMD_VALIDATE=1``), the copies must agree within the dtype's float
+            tolerance (``rep_tolerance``: sums made in another order pass, a psum left
+            out does not), other dtypes exactly. True: bit for bit, on processes too
+            (one all_gather per such output). False: not verified (rank 0's copy
+            is returned).
         params: tensors closed over by ``f`` that need gradients. Default: the
             parameters of ``f`` if it is an ``nn.Module``, else every leaf found in the
             ranks' autograd graphs (a closed-over non-leaf, such as ``sin(w)`` computed
@@ -282,6 +289,12 @@ class _ShardMap:
         diff_set, sdiff_set = set(diff), set(sdiff)
         copies = {(i, r): _shard_of(detached[i], layouts[i], r).detach().clone()
                   for i, r in sig.copies if not per_rank or r == mine[0]} if sig.copies else None
+        if sig.copies and per_rank and self.mesh.backend == "threads":
+            # Rank threads (or greenlets) called with one shared tensor: every rank's copy
+            # is made before any rank's body can change the tensor in place (rank 0 runs
+            # on it), as each process has its own before anything runs.
+            comm_of(self.mesh).barrier(self.mesh.group(self.mesh.axis_names, mine[0]),
+                                       name="shard_map")
 
         if per_rank and self.mesh.backend == "torch" and comm_of(self.mesh).checks:
             needs = [(x.requires_grad if isinstance(x, torch.Tensor) else
@@ -384,6 +397,7 @@ class _ShardMap:
         state = _State(self, ranks, leaves, layouts, diff, [res[1] for res in results],
                        [o[0] for o in outs], out_specs, out_names, per_rank)
         state.sdiff = sdiff
+        state.outer = outer
         state.sharded_inputs = named
         state.s_pos = [[j for j, (_, r) in enumerate(sdiff) if r == rank] for rank in ranks] \
             if sdiff else [()] * len(ranks)

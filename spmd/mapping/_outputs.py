@@ -3,10 +3,11 @@ processes, and the check that a replicated output is the same on every rank."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
-from ..comm import comm_of
+from ..comm import comm_of, validating
 from ..core._format import describe, shape_str
 from ..core.errors import SpecError
 from ..core.layout import Layout
@@ -51,7 +52,7 @@ def _out_layout(shapes: dict[int, tuple], spec: P, mesh: Mesh, where: str) -> La
 
 
 def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
-                      check_rep: bool, cache: dict) -> tuple[torch.Tensor, Layout]:
+                      check_rep: bool | None, cache: dict) -> tuple[torch.Tensor, Layout]:
     shapes = tuple(tuple(v.shape) for v in vals)
     hit = cache.get((shapes, spec))
     if hit is None:
@@ -61,28 +62,50 @@ def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
         if len(cache) > 256:
             cache.pop(next(iter(cache)))
     lay, owners, plan = hit
-    if check_rep:
-        _check_rep_threads(vals, lay, where, owners)
+    if lay.replicated_axes:
+        mode = rep_check(check_rep, mesh)
+        if mode:
+            _check_rep_threads(vals, lay, where, owners, mode)
     with torch.no_grad():
         return run_cat_plan(plan, vals), lay
 
 
+def rep_check(check_rep: bool | None, mesh: Mesh) -> str | None:
+    """How this call verifies that an output its spec claims replicated is the same on
+    every rank of those axes: ``"exact"`` (``check_rep=True``: bit for bit), ``"close"``
+    (the default where it costs no message: on a threads mesh, unless
+    ``SPMD_VALIDATE=0``; on processes only under ``SPMD_VALIDATE=1``: equal within the
+    dtype's float tolerance, exact for other dtypes) or None (``check_rep=False``)."""
+    if check_rep is not None:
+        return "exact" if check_rep else None
+    if mesh.backend == "threads":
+        return None if os.environ.get("SPMD_VALIDATE", "") == "0" else "close"
+    return "close" if validating(mesh) else None
+
+
 def _check_rep_threads(vals: list[torch.Tensor], lay: Layout, where: str,
-                       owners: dict | None = None) -> None:
+                       owners: dict | None = None, mode: str = "exact") -> None:
     """Every rank's value equals the copy of the lowest rank holding its shard."""
     owners = lay.owners() if owners is None else owners
     for r in range(len(vals)):
         o = owners[lay.shard_key(r)]
         if r != o:
-            _compare_rep(vals[o], vals[r], o, r, where, lay)
+            _compare_rep(vals[o], vals[r], o, r, where, lay, mode)
 
 
-def _check_rep_per_rank(v: torch.Tensor, lay: Layout, mesh: Mesh, rank: int, where: str) -> None:
-    """Per-rank view: every rank of the replicated axes holds the same value."""
-    group = mesh.group(lay.replicated_axes, rank)
+def _check_rep_per_rank(v: torch.Tensor, lay: Layout, mesh: Mesh, rank: int, where: str,
+                        mode: str = "exact", outer: tuple[str, ...] = ()) -> None:
+    """Per-rank view: every rank of the replicated axes holds the same value (but along
+    ``outer``, the axes an enclosing shard_map body is mapped over: there each rank holds
+    its own shards, and the nested call's specs say nothing about them)."""
+    axes = tuple(a for a in lay.replicated_axes if a not in outer)
+    if not axes:
+        return
+    group = mesh.group(axes, rank)
     parts = comm_of(mesh).all_gather(v.detach().unsqueeze(0), group, 0, name="check_rep")
     for i, p in enumerate(parts):
-        _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay)
+        _compare_rep(parts[0][0], p[0], group.ranks[0], group.ranks[i], where, lay, mode,
+                     axes)
 
 
 def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh, rank: int,
@@ -120,30 +143,62 @@ def _exchange_out_layouts(outs: list[tuple[torch.Tensor, P, str]], mesh: Mesh, r
     return lays
 
 
+def rep_tolerance(dtype: torch.dtype) -> float:
+    """How far apart, relative to the output's largest magnitude, two ranks' copies of a
+    replicated float output may be and still count as one value (``check_rep``'s
+    default): the square root of the dtype's epsilon (f32: 3.5e-4, bf16: 0.088). Sums
+    made in another order on each rank (a ring of ppermutes) differ by a few epsilons; a
+    value that is not replicated at all (a rank's partial sum, a psum left out) differs
+    by about its own size."""
+    return torch.finfo(dtype).eps ** 0.5
+
+
+def _beyond(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where ``a`` and ``b`` differ by more than ``rep_tolerance`` of their largest finite
+    magnitude (NaN and infinities must match exactly)."""
+    with torch.no_grad():
+        fin = torch.isfinite(a) & torch.isfinite(b)
+        scale = torch.where(fin, torch.maximum(a.abs(), b.abs()), 0).max() if a.numel() else 0
+        far = (a - b).abs() > rep_tolerance(a.dtype) * scale
+        off = (a != b) & ~(torch.isnan(a) & torch.isnan(b))  # NaN on both: equal
+        return torch.where(fin, far, off)
+
+
 def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
-                 lay: Layout) -> None:
+                 lay: Layout, mode: str = "exact", axes: tuple[str, ...] | None = None
+                 ) -> None:
     if a.shape == b.shape and torch.equal(a, b):
         return
+    axes = lay.replicated_axes if axes is None else axes
+    head = "shard_map(check_rep=True)" if mode == "exact" else "shard_map"
     if a.shape != b.shape:
         raise SpecError(
-            f"shard_map(check_rep=True): {where} is claimed replicated over "
-            f"{list(lay.replicated_axes)} by out_specs {lay.spec!r}, but it is "
+            f"{head}: {where} is claimed replicated over "
+            f"{list(axes)} by out_specs {lay.spec!r}, but it is "
             f"{tuple(a.shape)} on rank {ra} and {tuple(b.shape)} on rank {rb}")
-    diff = (a != b)
-    if a.is_floating_point() or a.is_complex():
-        diff &= ~(torch.isnan(a) & torch.isnan(b))  # NaN where every rank has NaN: equal
+    inexact = a.is_floating_point() or a.is_complex()
+    if mode == "close" and inexact:
+        diff = _beyond(a, b)
+    else:
+        diff = (a != b)
+        if inexact:
+            diff &= ~(torch.isnan(a) & torch.isnan(b))  # NaN where every rank has NaN: equal
     if not diff.any():
         return
     idx = tuple(int(i) for i in diff.nonzero()[0])
+    how = (f" (by more than {rep_tolerance(a.dtype):.2g} of its largest magnitude)"
+           if mode == "close" and inexact else "")
     raise SpecError(
-        f"shard_map(check_rep=True): {where} is claimed replicated over "
-        f"{list(lay.replicated_axes)} by out_specs {lay.spec!r}, but rank {rb} differs from "
-        f"rank {ra} at local index {list(idx)}: {b[idx].item()!r} vs {a[idx].item()!r}; split "
-        f"the output over those axes in out_specs, or make it equal (e.g. psum)")
+        f"{head}: {where} is claimed replicated over "
+        f"{list(axes)} by out_specs {lay.spec!r}, but rank {rb} differs from "
+        f"rank {ra} at local index {list(idx)}: {b[idx].item()!r} vs {a[idx].item()!r}{how}; "
+        f"split the output over those axes in out_specs, or make it equal (e.g. psum)"
+        + ("" if mode == "exact" else "; check_rep=False skips this check"))
 
 
 def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
-                   check_rep: bool) -> tuple[torch.Tensor, Layout]:
+                   check_rep: bool | None, outer: tuple[str, ...] = ()
+                   ) -> tuple[torch.Tensor, Layout]:
     """Per-rank view: all-gather this rank's shard into the global output."""
     comm = comm_of(mesh)
     probe = Layout((0,) * v.ndim, spec, mesh) if len(spec) <= v.ndim else None
@@ -161,8 +216,9 @@ def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
         sizes.append(tuple(p.shape[d] for p in parts))
         g = torch.cat(parts, d)
     lay = Layout(g.shape, spec, mesh, sizes)
-    if check_rep and lay.replicated_axes:
-        _check_rep_per_rank(v, lay, mesh, rank, where)
+    mode = rep_check(check_rep, mesh) if lay.replicated_axes else None
+    if mode:
+        _check_rep_per_rank(v, lay, mesh, rank, where, mode, outer)
     return g, lay
 
 

@@ -20,7 +20,9 @@ from ..transforms.sharded import Sharded, run_cat_plan, same_cut
 from ._agreement import _MASK, _fingerprint, _same_py
 from ..core._engine import keep_graph as _keep_graph
 from ._graph import _graph_leaves, _reaches_older_nodes
-from ._outputs import _assemble_threads, _check_rep_per_rank, _check_rep_threads, _exchange_out_layouts, _gather_global, _out_layout, _rep_factor
+from ._outputs import (_assemble_threads, _check_rep_per_rank, _check_rep_threads,
+                       _exchange_out_layouts, _gather_global, _out_layout, _rep_factor,
+                       rep_check)
 
 
 
@@ -73,6 +75,7 @@ class _State:
         self.green = False  # the forward ran on rank greenlets: one backward pass
         self.seq0: int | None = None
         self.older: bool | None = None  # whether the graph reaches the caller's nodes
+        self.outer: tuple[str, ...] = ()  # the axes an enclosing body is mapped over
 
     @property
     def any_out_grad(self) -> bool:
@@ -111,14 +114,15 @@ class _State:
                     continue
                 lay = _out_layout(dict(enumerate(tuple(v.shape) for v in vals)), spec, mesh,
                                   where)
-                if self.sm.check_rep:
-                    _check_rep_threads(vals, lay, where)
+                rep = rep_check(self.sm.check_rep, mesh) if lay.replicated_axes else None
+                if rep:
+                    _check_rep_threads(vals, lay, where, mode=rep)
                 self.out_layouts.append(lay)
                 out.append(Sharded(dict(enumerate(vals)), lay, mesh))
                 continue
             if self.per_rank:
                 g, lay = _gather_global(vals[0], spec, mesh, self.ranks[0], where,
-                                        self.sm.check_rep)
+                                        self.sm.check_rep, self.outer)
             else:
                 g, lay = _assemble_threads(vals, spec, mesh, where, self.sm.check_rep,
                                            self.sm._out_cache)
@@ -129,8 +133,9 @@ class _State:
             lays = _exchange_out_layouts([(v, spec, where) for _, v, spec, where in pending],
                                          mesh, rank, self.sharded_inputs)
             for (k, v, _, where), lay in zip(pending, lays):
-                if self.sm.check_rep and lay.replicated_axes:
-                    _check_rep_per_rank(v, lay, mesh, rank, where)
+                rep = rep_check(self.sm.check_rep, mesh) if lay.replicated_axes else None
+                if rep:
+                    _check_rep_per_rank(v, lay, mesh, rank, where, rep, self.outer)
                 self.out_layouts[k] = lay
                 out[k] = Sharded({rank: v}, lay, mesh)
         return out

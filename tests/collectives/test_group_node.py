@@ -158,7 +158,7 @@ def test_all_gather_equals_the_threads_schedule(tiled):
             g = spmd.all_gather(t * t, "b", axis=0, tiled=True)  # (2, 2): every row
         else:
             g = spmd.all_gather((t * t).sum(0), "b", axis=0)  # (3, 2): one row per rank
-        return (g * t.sum()).sin()
+        return (g * spmd.pmean(t.sum(), "b")).sin()  # the same over 'b', as P('a') claims
     spec = P(("b",), "a")
     b = _same_as_threads(body, x, spec, P("a"))
     assert any(rec[0] == "psum_scatter" and rec[3] == "backward" for rec in b[2])
