@@ -62,7 +62,11 @@ def _tree(fn, x, axis_name):
     if optree.tree_is_leaf(x, namespace="spmd"):
         raise TypeError(f"{fn.__name__}: expected a tensor, got {describe(x)} (a pytree of "
                         f"tensors works too)")
-    return optree.tree_map(lambda t: fn(t, axis_name), x, namespace="spmd")
+    # Mapped here, not by optree.tree_map: that calls fn from C++ (pybind11), where a
+    # rank greenlet that waits in the collective lets another rank into the same C++
+    # code, and pybind11 aborts the process when the first returns.
+    leaves, treedef = optree.tree_flatten(x, namespace="spmd")
+    return optree.tree_unflatten(treedef, [fn(t, axis_name) for t in leaves])
 
 
 # -- psum ----------------------------------------------------------------------------

@@ -22,11 +22,13 @@ threads.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 import torch
 from greenlet import getcurrent, greenlet
 
@@ -246,9 +248,10 @@ class _Run:
         while r not in self.done:
             # A rank may wait (and let another run) only where torch's per-thread state
             # is what ``take`` lifts: inside a C++ guard it is not, and the next rank
-            # would run under this one's guard. It gets the error where it waits, with
+            # would run under this one's guard. Nor inside C++ code that called back
+            # into Python (``_in_callback``). It gets the error where it waits, with
             # its state back, so the guard unwinds on it.
-            inside = inside_guard(self.baseline)
+            inside = inside_guard(self.baseline) or _in_callback(self.lets[r])
             if inside is None:
                 return
             w = self.waiting.pop(r, None)
@@ -292,6 +295,24 @@ class _Run:
                 f"the group {list(group.ranks)} did not arrive ({'; '.join(why)}); every "
                 f"rank must run the same collectives in the same order",
                 op=name, axes=group.axes, missing=missing)
+
+
+_CALLBACKS = tuple(os.path.dirname(m.__file__) + os.sep for m in (optree,))
+
+
+def _in_callback(g: greenlet) -> str | None:
+    """What C++ code a waiting rank is inside of, where that code called back into Python
+    (optree's ``tree_map`` calls its function from C++ through pybind11, which keeps a
+    per-thread stack of its calls: another rank entering it while this one waits, and
+    this one then leaving it, makes pybind11 abort the process). None when there is none."""
+    f = g.gr_frame
+    while f is not None:
+        if f.f_code.co_filename.startswith(_CALLBACKS):
+            return ("a function that optree calls from C++ (optree.tree_map and its kin: "
+                    "map over the leaves in a Python loop, or pass the whole pytree to the "
+                    "collective, which takes pytrees)")
+        f = f.f_back
+    return None
 
 
 class _Point:

@@ -257,6 +257,29 @@ def test_a_collective_inside_a_cpp_guard_is_refused_not_leaked():
         run_on_greenlets(_mesh(2), fn)
 
 
+def test_a_collective_in_a_function_optree_calls_from_cpp_is_refused_not_an_abort():
+    """optree.tree_map calls its function from C++ (pybind11): a rank that waited there
+    while another entered it made pybind11 abort the process when the first left. The
+    rank gets a SpecError where it waits, naming the ways out; on rank threads it runs."""
+    import optree
+
+    def body(s):
+        return optree.tree_map(lambda t: spmd.psum(t, "sp"), {"a": s.sum(), "b": s.sum() * 2})
+    x = torch.arange(6.0)
+    with pytest.raises(spmd.SpecError, match=r"rank 0: psum on rank 0: the simulated mesh "
+                       r"switches to another rank at each collective, which it cannot do "
+                       r"inside a function that optree calls from C\+\+ .*pass the whole "
+                       r"pytree to the collective.*schedule='threads'"):
+        spmd.shard_map(body, _mesh(), P("sp"), {"a": P(), "b": P()})(x)
+    on_threads = spmd.Mesh((3,), ("sp",), schedule="threads")
+    got = spmd.shard_map(body, on_threads, P("sp"), {"a": P(), "b": P()})(x)
+    assert got["a"].item() == 15.0 and got["b"].item() == 30.0
+    # the mesh is not left broken, and spmd's own pytree form works on greenlets
+    got = spmd.shard_map(lambda s: spmd.psum({"a": s.sum(), "b": [s.sum() * 2]}, "sp"), _mesh(),
+                         P("sp"), {"a": P(), "b": [P()]})(x)
+    assert got["a"].item() == 15.0 and got["b"][0].item() == 30.0
+
+
 def test_schedule_values():
     assert spmd.Mesh((2,), ("sp",), schedule="threads").schedule == "threads"
     with pytest.raises(spmd.SpecError, match="schedule must be 'greenlets' or 'threads', "
