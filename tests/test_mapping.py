@@ -737,3 +737,20 @@ def test_processes_check_the_claim_under_validation(gloo2):
     got = gloo2.run(_replicated_slip, (2,), ("sp",))
     assert [q for q, _ in got] == [1.0, 5.0]
     assert all(e is not None and "rank 1 differs from rank 0" in e for _, e in got), got
+
+
+def test_outputs_whose_dtype_or_kind_differs_between_ranks_are_refused():
+    """A split output concatenated from f32 and f64 shards came back f64 (torch.cat
+    promotes), a replicated one as rank 0's dtype, silently; processes refuse both in the
+    gather. So does the simulated mesh now, naming both ranks."""
+    mesh = spmd.Mesh((2,), ("sp",))
+    x = torch.arange(4.0)
+    f64_on_1 = lambda t: t.double() if spmd.axis_index("sp") == 1 else t  # noqa: E731
+    for out_spec, body in ((P("sp"), f64_on_1), (P(), lambda s: f64_on_1(spmd.psum(s.sum(), "sp")))):
+        with pytest.raises(spmd.SpecError, match=r"shard_map: out is f32\[\d?\] on rank 0 but "
+                           r"f64\[\d?\] on rank 1; every rank must return a tensor of the same "
+                           r"dtype"):
+            spmd.shard_map(body, mesh, P("sp"), out_spec)(x)
+    with pytest.raises(spmd.SpecError, match=r"out is f32\[\] on rank 0 but float on rank 1"):
+        spmd.shard_map(lambda s: s.sum() if spmd.axis_index("sp") == 0 else 3.0, mesh, P("sp"),
+                       P())(x)

@@ -59,6 +59,17 @@ def _shard_of(x: Any, lay: Layout, rank: int) -> torch.Tensor:
     return x.shards[rank] if isinstance(x, Sharded) else lay.shard(x, rank)
 
 
+def _same_dtype(vals: list, ranks: list[int], where: str) -> None:
+    """Every rank returned a tensor of one dtype (a concatenation would promote the
+    others' silently, and a replicated output would be rank 0's)."""
+    t0 = vals[0]
+    for r, v in zip(ranks, vals):
+        if not isinstance(v, torch.Tensor) or v.dtype != t0.dtype:
+            raise SpecError(f"shard_map: {where} is {describe(t0)} on rank {ranks[0]} but "
+                            f"{describe(v)} on rank {r}; every rank must return a tensor of "
+                            f"the same dtype")
+
+
 class _State:
     """Everything one shard_map call needs for assembly and backward."""
 
@@ -103,6 +114,8 @@ class _State:
                 bad = next(r for r, v in zip(self.ranks, vals) if not _same_py(v, vals[0]))
                 raise SpecError(f"shard_map: {where} is {vals[0]!r} on rank {self.ranks[0]} but "
                                 f"{vals[bad]!r} on rank {bad}; non-tensor outputs must agree")
+            if not self.per_rank:  # processes: the gather compares them
+                _same_dtype(vals, self.ranks, where)
             spec = P() if spec is None else spec
             if isinstance(spec, Layout):
                 spec = spec.spec
