@@ -2,6 +2,7 @@
 
     python benchmarks/instruction_counts.py [--ranks 1,8] [--calls 100]
                                             [--bodies floor,x2,psum,grad]
+                                            [--rng shared]
 
 Timings on a shared 2-core VM move by 2x between runs (the same ``x * 2`` reads 4 or
 8 us from one minute to the next), which hides a 10 % change. An instruction count does
@@ -9,7 +10,8 @@ not move: each body runs ``--calls`` times under ``valgrind --tool=callgrind`` w
 counting switched on only around those calls (``callgrind_control``), and the table
 gives the instructions per call. The bodies are ``shard_map_overhead.py``'s on
 f32[64, 16]: ``x * 2``, ``psum((x * 2).sum())`` and its gradient, on a greenlets
-mesh with one shared generator; ``floor`` is the same ``x * 2`` with none of spmd:
+mesh with one shared generator (``--rng per_rank``: each rank its own, the default of
+``Mesh``); ``floor`` is the same ``x * 2`` with none of spmd:
 each rank's narrow and multiply on a greenlet of its own, switched to in turn, and
 the results concatenated (what any design with a greenlet per rank pays).
 
@@ -28,7 +30,7 @@ import sys
 import tempfile
 
 
-def _body(kind: str, n: int):
+def _body(kind: str, n: int, rng: str = "shared"):
     import torch
 
     import spmd
@@ -53,7 +55,7 @@ def _body(kind: str, n: int):
                 w.switch(r)
             return torch.cat(res)
         return floor
-    mesh = spmd.Mesh((n,), ("sp",), rng="shared", schedule="greenlets")
+    mesh = spmd.Mesh((n,), ("sp",), rng=rng, schedule="greenlets")
     if kind == "x2":
         f = spmd.shard_map(lambda x: x * 2, mesh, P("sp"), P("sp"))
         return lambda: f(x)
@@ -64,9 +66,9 @@ def _body(kind: str, n: int):
     return lambda: s(xg).backward()
 
 
-def _child(kind: str, n: int, calls: int) -> None:
+def _child(kind: str, n: int, calls: int, rng: str) -> None:
     """Under valgrind: warm up, then count only the timed calls."""
-    fn = _body(kind, n)
+    fn = _body(kind, n, rng)
     for _ in range(50):
         fn()
     pid = str(os.getpid())
@@ -76,13 +78,13 @@ def _child(kind: str, n: int, calls: int) -> None:
     subprocess.run(["callgrind_control", "-i", "off", pid], capture_output=True, check=True)
 
 
-def count(kind: str, n: int, calls: int) -> int:
+def count(kind: str, n: int, calls: int, rng: str = "shared") -> int:
     """Instructions per call of body ``kind`` over ``n`` ranks."""
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "callgrind.out")
         subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                         f"--callgrind-out-file={out}", sys.executable, __file__, "--child",
-                        kind, str(n), str(calls)], capture_output=True, check=True)
+                        kind, str(n), str(calls), rng], capture_output=True, check=True)
         text = subprocess.run(["callgrind_annotate", out], capture_output=True, text=True,
                               check=True).stdout
     total = re.search(r"([\d,]+)\s+\(100\.0%\)\s+PROGRAM TOTALS", text)
@@ -92,14 +94,15 @@ def count(kind: str, n: int, calls: int) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        _child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="1,8")
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--bodies", default="floor,x2,psum,grad")
+    ap.add_argument("--rng", default="shared", choices=("shared", "per_rank"))
     a = ap.parse_args()
     if not all(shutil.which(t) for t in ("valgrind", "callgrind_control",
                                          "callgrind_annotate")):
@@ -107,12 +110,12 @@ def main() -> None:
               "nothing to count")
         return
     bodies = a.bodies.split(",")
-    print(f"instructions per call (thousands), {a.calls} calls each, Python "
+    print(f"instructions per call (thousands), {a.calls} calls each, rng={a.rng}, Python "
           f"{sys.version.split()[0]}\n")
     print("| ranks | " + " | ".join(bodies) + " |")
     print("| ---: |" + " ---: |" * len(bodies))
     for n in [int(r) for r in a.ranks.split(",")]:
-        row = [f"{count(k, n, a.calls) / 1e3:,.0f}" for k in bodies]
+        row = [f"{count(k, n, a.calls, a.rng) / 1e3:,.0f}" for k in bodies]
         print(f"| {n} | " + " | ".join(row) + " |")
 
 

@@ -90,8 +90,10 @@ def take(per_rank_rng: bool) -> RankState:
     nf, nd, top = _fn_len(), _d_len(), _h_top(True)
     autocast = [dev for dev in _AUTOCAST if torch.is_autocast_enabled(dev)] \
         if _any_autocast() else ()
-    if grad and not (inference or nf or nd or autocast or per_rank_rng) and top is None:
-        return CLEAN  # the common case, checked in a few calls
+    if grad and not (inference or nf or nd or autocast) and top is None:
+        if not per_rank_rng:
+            return CLEAN  # the common case, checked in a few calls
+        return _Generator(_default_gen.get_state())  # the common case on rng="per_rank"
     s = RankState(grad)
     if inference:
         guard = _Inference(False)
@@ -118,10 +120,23 @@ def take(per_rank_rng: bool) -> RankState:
     return s
 
 
-def put(s: RankState) -> None:
+class _Generator:
+    """A state that is torch's defaults but for the generator's: ``take``'s common case
+    with per-rank generators, put back without the general path's checks."""
+
+    __slots__ = ("rng",)
+
+    def __init__(self, rng: torch.Tensor):
+        self.rng = rng
+
+
+def put(s: RankState | _Generator) -> None:
     """Install a state ``take`` lifted (or a new rank's) on the calling thread, which
     holds torch's defaults."""
     if s is CLEAN:
+        return
+    if s.__class__ is _Generator:
+        _default_gen.set_state(s.rng)
         return
     if s.inference is not None:
         guard, s.inference = s.inference, None

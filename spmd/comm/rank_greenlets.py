@@ -43,6 +43,8 @@ from .threads import _axes, _tls
 
 __all__ = ["run_on_greenlets"]
 
+_generator = torch.default_generator
+
 
 def run_on_greenlets(mesh: Mesh, fn: Callable[[int], Any], *, rank_rng: bool = False,
                      report: dict | None = None) -> list[Any]:
@@ -95,7 +97,10 @@ class _Run:
         self.results: dict[int, Any] = {}
         self.errors: list[tuple[float, int, BaseException]] = []
         self.per_rank_rng = seed is not None
+        # A rank's state before its first turn: CLEAN, or (rank_rng) the seed of its
+        # generator, an int, which the turn hands to the generator directly.
         self.states = dict.fromkeys(self.ranks, fresh(grad)) if seed is None else \
+            {r: rank_seed(seed, r) for r in self.ranks} if grad else \
             {r: fresh(grad, rank_seed(seed, r)) for r in self.ranks}
         self.stream = _invariant.fork()  # the caller's spmd.random.invariant, if any
         self.main = getcurrent()
@@ -222,7 +227,10 @@ class _Run:
         """Run rank ``r`` until it waits, finishes or fails; then lift its torch state."""
         s = self.states[r]
         if s is not CLEAN:
-            put(s)
+            if s.__class__ is int:
+                _generator.manual_seed(s)
+            else:
+                put(s)
         exc = self.throw.pop(r, None) if self.throw else None
         got = None
         try:
@@ -297,7 +305,14 @@ class _Run:
                 op=name, axes=group.axes, missing=missing)
 
 
-_CALLBACKS = tuple(os.path.dirname(m.__file__) + os.sep for m in (optree,))
+def _sources(pkg: Any) -> frozenset[str]:
+    """The file names of a package's Python modules, as its code objects name them."""
+    root = os.path.dirname(pkg.__file__)
+    return frozenset(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                     if f.endswith(".py"))
+
+
+_CALLBACKS = _sources(optree)  # a set: one lookup a frame (a waiting rank walks its own)
 
 
 def _in_callback(g: greenlet) -> str | None:
@@ -307,7 +322,7 @@ def _in_callback(g: greenlet) -> str | None:
     this one then leaving it, makes pybind11 abort the process). None when there is none."""
     f = g.gr_frame
     while f is not None:
-        if f.f_code.co_filename.startswith(_CALLBACKS):
+        if f.f_code.co_filename in _CALLBACKS:
             return ("a function that optree calls from C++ (optree.tree_map and its kin: "
                     "map over the leaves in a Python loop, or pass the whole pytree to the "
                     "collective, which takes pytrees)")

@@ -77,15 +77,16 @@ def active() -> Stream | None:
     return s[-1] if s else None
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """spmd's own draws (a rank thread's seed) pass the invariant context by."""
-    prev = _local.get("paused", False)
-    _local.paused = True
-    try:
-        yield
-    finally:
-        _local.paused = prev
+class paused:
+    """spmd's own draws (a rank thread's seed) pass the invariant context by. (A class,
+    not a generator: every shard_map call on a threads mesh enters it once.)"""
+
+    def __enter__(self) -> None:
+        self._prev = _local.get("paused", False)
+        _local.paused = True
+
+    def __exit__(self, *exc: object) -> None:
+        _local.paused = self._prev
 
 
 def fork() -> tuple[Stream, int] | None:
