@@ -83,10 +83,22 @@ def rep_check(check_rep: bool | None, mesh: Mesh) -> str | None:
     return "close" if validating(mesh) else None
 
 
+def _all_equal(vals: list[torch.Tensor]) -> bool:
+    """Whether every value equals the first, bit for bit (one stack and one compare)."""
+    v0 = vals[0]
+    if not any(v.requires_grad for v in vals):
+        return torch.equal(torch.stack(vals[1:]), v0.expand(len(vals) - 1, *v0.shape))
+    with torch.no_grad():  # no graph for the stack
+        return torch.equal(torch.stack(vals[1:]), v0.expand(len(vals) - 1, *v0.shape))
+
+
 def _check_rep_threads(vals: list[torch.Tensor], lay: Layout, where: str,
                        owners: dict | None = None, mode: str = "exact") -> None:
     """Every rank's value equals the copy of the lowest rank holding its shard."""
     owners = lay.owners() if owners is None else owners
+    if len(owners) == 1 and len(vals) > 2:  # one shard, every rank's: compared at once
+        if _all_equal(vals):
+            return
     for r in range(len(vals)):
         o = owners[lay.shard_key(r)]
         if r != o:
