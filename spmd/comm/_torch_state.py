@@ -82,7 +82,7 @@ def fresh(grad: bool = True, seed: int | None = None) -> RankState:
     return CLEAN if grad and seed is None else RankState(grad, seed=seed)
 
 
-def take(per_rank_rng: bool) -> RankState:
+def take(per_rank_rng: bool) -> RankState | _Generator:
     """Lift the calling thread's state (the running rank's) off it, leaving torch's
     defaults: grad mode on, no modes, no hooks, no autocast."""
     grad = torch.is_grad_enabled()

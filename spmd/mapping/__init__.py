@@ -66,8 +66,9 @@ def shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any, *,
             ``SpecError`` naming it and the first index that differs). None (default):
             where it costs no message, on a threads mesh (and on processes under
             ``SPMD_VALIDATE=1``), the copies must agree within the dtype's float
-            tolerance (``rep_tolerance``: sums made in another order pass, a psum left
-            out does not), other dtypes exactly. True: bit for bit, on processes too
+            tolerance (the square root of its epsilon, relative to the output's largest
+            magnitude: sums made in another order pass, a psum left out does not),
+            other dtypes exactly. True: bit for bit, on processes too
             (one all_gather per such output). False: not verified (rank 0's copy
             is returned).
         params: tensors closed over by ``f`` that need gradients. Default: the
