@@ -62,20 +62,20 @@ def _assemble_threads(vals: list[torch.Tensor], spec: P, mesh: Mesh, where: str,
         if len(cache) > 256:
             cache.pop(next(iter(cache)))
     lay, owners, plan = hit
-    if lay.replicated_axes:
-        mode = rep_check(check_rep, mesh)
-        if mode:
-            _check_rep_threads(vals, lay, where, owners, mode)
+    _check_rep_threads(vals, lay, where, check_rep, mesh, owners)
     with torch.no_grad():
         return run_cat_plan(plan, vals), lay
 
 
-def rep_check(check_rep: bool | None, mesh: Mesh) -> str | None:
-    """How this call verifies that an output its spec claims replicated is the same on
-    every rank of those axes: ``"exact"`` (``check_rep=True``: bit for bit), ``"close"``
-    (the default where it costs no message: on a threads mesh, unless
+def rep_check(check_rep: bool | None, mesh: Mesh, lay: Layout) -> str | None:
+    """How this call verifies that an output of layout ``lay`` is the same on every rank
+    of the axes its spec leaves out: ``"exact"`` (``check_rep=True``: bit for bit),
+    ``"close"`` (the default where it costs no message: on a threads mesh, unless
     ``SPMD_VALIDATE=0``; on processes only under ``SPMD_VALIDATE=1``: equal within the
-    dtype's float tolerance, exact for other dtypes) or None (``check_rep=False``)."""
+    dtype's float tolerance, exact for other dtypes) or None (``check_rep=False``, or
+    no such axes)."""
+    if not lay.replicated_axes:
+        return None
     if check_rep is not None:
         return "exact" if check_rep else None
     if mesh.backend == "threads":
@@ -93,8 +93,12 @@ def _all_equal(vals: list[torch.Tensor]) -> bool:
 
 
 def _check_rep_threads(vals: list[torch.Tensor], lay: Layout, where: str,
-                       owners: dict | None = None, mode: str = "exact") -> None:
-    """Every rank's value equals the copy of the lowest rank holding its shard."""
+                       check_rep: bool | None, mesh: Mesh, owners: dict | None = None) -> None:
+    """Every rank's value equals the copy of the lowest rank holding its shard (as
+    ``rep_check`` says)."""
+    mode = rep_check(check_rep, mesh, lay)
+    if mode is None:
+        return
     owners = lay.owners() if owners is None else owners
     if len(owners) == 1 and len(vals) > 2:  # one shard, every rank's: compared at once
         if _all_equal(vals):
@@ -106,12 +110,14 @@ def _check_rep_threads(vals: list[torch.Tensor], lay: Layout, where: str,
 
 
 def _check_rep_per_rank(v: torch.Tensor, lay: Layout, mesh: Mesh, rank: int, where: str,
-                        mode: str = "exact", outer: tuple[str, ...] = ()) -> None:
-    """Per-rank view: every rank of the replicated axes holds the same value (but along
-    ``outer``, the axes an enclosing shard_map body is mapped over: there each rank holds
-    its own shards, and the nested call's specs say nothing about them)."""
+                        check_rep: bool | None, outer: tuple[str, ...] = ()) -> None:
+    """Per-rank view: every rank of the replicated axes holds the same value (as
+    ``rep_check`` says; but along ``outer``, the axes an enclosing shard_map body is
+    mapped over: there each rank holds its own shards, and the nested call's specs say
+    nothing about them)."""
+    mode = rep_check(check_rep, mesh, lay)
     axes = tuple(a for a in lay.replicated_axes if a not in outer)
-    if not axes:
+    if mode is None or not axes:
         return
     group = mesh.group(axes, rank)
     parts = comm_of(mesh).all_gather(v.detach().unsqueeze(0), group, 0, name="check_rep")
@@ -177,8 +183,7 @@ def _beyond(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _compare_rep(a: torch.Tensor, b: torch.Tensor, ra: int, rb: int, where: str,
-                 lay: Layout, mode: str = "exact", axes: tuple[str, ...] | None = None
-                 ) -> None:
+                 lay: Layout, mode: str, axes: tuple[str, ...] | None = None) -> None:
     if a.shape == b.shape and torch.equal(a, b):
         return
     axes = lay.replicated_axes if axes is None else axes
@@ -228,9 +233,7 @@ def _gather_global(v: torch.Tensor, spec: P, mesh: Mesh, rank: int, where: str,
         sizes.append(tuple(p.shape[d] for p in parts))
         g = torch.cat(parts, d)
     lay = Layout(g.shape, spec, mesh, sizes)
-    mode = rep_check(check_rep, mesh) if lay.replicated_axes else None
-    if mode:
-        _check_rep_per_rank(v, lay, mesh, rank, where, mode, outer)
+    _check_rep_per_rank(v, lay, mesh, rank, where, check_rep, outer)
     return g, lay
 
 

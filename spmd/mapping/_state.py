@@ -21,8 +21,7 @@ from ._agreement import _MASK, _fingerprint, _same_py
 from ..core._engine import keep_graph as _keep_graph
 from ._graph import _graph_leaves, _reaches_older_nodes
 from ._outputs import (_assemble_threads, _check_rep_per_rank, _check_rep_threads,
-                       _exchange_out_layouts, _gather_global, _out_layout, _rep_factor,
-                       rep_check)
+                       _exchange_out_layouts, _gather_global, _out_layout, _rep_factor)
 
 
 
@@ -127,9 +126,7 @@ class _State:
                     continue
                 lay = _out_layout(dict(enumerate(tuple(v.shape) for v in vals)), spec, mesh,
                                   where)
-                rep = rep_check(self.sm.check_rep, mesh) if lay.replicated_axes else None
-                if rep:
-                    _check_rep_threads(vals, lay, where, mode=rep)
+                _check_rep_threads(vals, lay, where, self.sm.check_rep, mesh)
                 self.out_layouts.append(lay)
                 out.append(Sharded(dict(enumerate(vals)), lay, mesh))
                 continue
@@ -146,9 +143,7 @@ class _State:
             lays = _exchange_out_layouts([(v, spec, where) for _, v, spec, where in pending],
                                          mesh, rank, self.sharded_inputs)
             for (k, v, _, where), lay in zip(pending, lays):
-                rep = rep_check(self.sm.check_rep, mesh) if lay.replicated_axes else None
-                if rep:
-                    _check_rep_per_rank(v, lay, mesh, rank, where, rep, self.outer)
+                _check_rep_per_rank(v, lay, mesh, rank, where, self.sm.check_rep, self.outer)
                 self.out_layouts[k] = lay
                 out[k] = Sharded({rank: v}, lay, mesh)
         return out
